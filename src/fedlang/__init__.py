@@ -1,0 +1,46 @@
+"""fedlang: federated learning and analytics with TFF's programming model on JAX.
+
+The public API is exactly what this module re-exports.
+"""
+
+from fedlang import runtime as runtime
+from fedlang import templates as templates
+from fedlang.backends.jax.computation import jax_computation as jax_computation
+from fedlang.core.computation import Computation as Computation
+from fedlang.core.operators import federated_aggregate as federated_aggregate
+from fedlang.core.operators import federated_apply as federated_apply
+from fedlang.core.operators import federated_broadcast as federated_broadcast
+from fedlang.core.operators import federated_eval as federated_eval
+from fedlang.core.operators import federated_map as federated_map
+from fedlang.core.operators import federated_max as federated_max
+from fedlang.core.operators import federated_mean as federated_mean
+from fedlang.core.operators import federated_min as federated_min
+from fedlang.core.operators import federated_secure_modular_sum as federated_secure_modular_sum
+from fedlang.core.operators import federated_secure_sum_bitwidth as federated_secure_sum_bitwidth
+from fedlang.core.operators import federated_select as federated_select
+from fedlang.core.operators import federated_sum as federated_sum
+from fedlang.core.operators import federated_value as federated_value
+from fedlang.core.operators import federated_zip as federated_zip
+from fedlang.core.operators import sequence_map as sequence_map
+from fedlang.core.operators import sequence_reduce as sequence_reduce
+from fedlang.core.operators import sequence_sum as sequence_sum
+from fedlang.core.sparse import SparseTensor as SparseTensor
+from fedlang.core.tracing import federated_computation as federated_computation
+from fedlang.core.types import CLIENTS as CLIENTS
+from fedlang.core.types import SERVER as SERVER
+from fedlang.core.types import FederatedType as FederatedType
+from fedlang.core.types import FunctionType as FunctionType
+from fedlang.core.types import SequenceType as SequenceType
+from fedlang.core.types import SparseTensorType as SparseTensorType
+from fedlang.core.types import StructType as StructType
+from fedlang.core.types import TensorType as TensorType
+from fedlang.core.types import Type as Type
+from fedlang.core.types import to_type as to_type
+from fedlang.core.types import type_at_clients as type_at_clients
+from fedlang.core.types import type_at_server as type_at_server
+from fedlang.runtime import set_default_context as set_default_context
+
+__version__ = "0.1.0"
+
+if runtime.get_default_context() is None:
+    runtime.set_default_context(runtime.ReferenceContext())

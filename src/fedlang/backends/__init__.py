@@ -1,0 +1,1 @@
+"""Backends for local computations."""

@@ -1,0 +1,1 @@
+"""The federated core: types, IR, intrinsics, tracing, serialization."""

@@ -1,0 +1,79 @@
+"""`SparseTensor`: a first-class sparse value in COO form."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from fedlang.core import types
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class SparseTensor:
+    """A sparse tensor: `indices[nnz, rank]` (int64), `values[nnz]`, and a static `dense_shape`.
+
+    It is a JAX pytree (indices and values are leaves, the dense shape is static), so it
+    flows through `jax.jit` and `jax.vmap` without being densified.
+
+    Example:
+      >>> st = SparseTensor([[0, 1], [2, 0]], [1.0, 2.0], (3, 2))
+      >>> st.to_dense().tolist()
+      [[0.0, 1.0], [0.0, 0.0], [2.0, 0.0]]
+    """
+
+    indices: Any
+    values: Any
+    dense_shape: tuple[int, ...]
+
+    def __init__(self, indices: Any, values: Any, dense_shape: Any):
+        if not isinstance(indices, jax.Array | jax.core.Tracer):
+            indices = np.asarray(indices, dtype=np.int64).reshape(-1, len(tuple(dense_shape)))
+        if not isinstance(values, jax.Array | jax.core.Tracer):
+            values = np.asarray(values)
+            if values.dtype == np.float64:
+                values = values.astype(np.float32)
+        object.__setattr__(self, "indices", indices)
+        object.__setattr__(self, "values", values)
+        object.__setattr__(self, "dense_shape", tuple(int(d) for d in dense_shape))
+        if indices.shape[0] != values.shape[0]:
+            raise ValueError(
+                f"Expected one value per index row, found {indices.shape[0]} index rows and "
+                f"{values.shape[0]} values."
+            )
+
+    @property
+    def fedlang_sparse_type(self) -> types.SparseTensorType:
+        return types.SparseTensorType(self.values.dtype, self.dense_shape)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.values.shape[0])
+
+    def to_dense(self) -> Any:
+        """The dense array (NumPy for NumPy inputs, JAX inside traced code)."""
+        if isinstance(self.values, np.ndarray) and isinstance(self.indices, np.ndarray):
+            out = np.zeros(self.dense_shape, self.values.dtype)
+            np.add.at(out, tuple(self.indices.T), self.values)
+            return out
+        out = jax.numpy.zeros(self.dense_shape, self.values.dtype)
+        return out.at[tuple(self.indices.T)].add(self.values)
+
+
+def _flatten(st: SparseTensor) -> tuple[tuple[Any, Any], tuple[int, ...]]:
+    return (st.indices, st.values), st.dense_shape
+
+
+def _unflatten(dense_shape: tuple[int, ...], children: Any) -> SparseTensor:
+    # Bypasses __init__: inside JAX transformations the leaves may be tracers or
+    # placeholder objects that must not be validated or converted.
+    st = object.__new__(SparseTensor)
+    object.__setattr__(st, "indices", children[0])
+    object.__setattr__(st, "values", children[1])
+    object.__setattr__(st, "dense_shape", dense_shape)
+    return st
+
+
+jax.tree_util.register_pytree_node(SparseTensor, _flatten, _unflatten)

@@ -1,0 +1,209 @@
+"""The reference runtime: a direct interpreter of the IR, the oracle for every test.
+
+Clients are Python lists: a CLIENTS-placed argument is passed as a list with one entry
+per client, an all-equal value as a single value. Client datasets may be any iterable
+of batches (lazy generators included); they are consumed as streams. Intrinsics run
+the reference semantics of `fedlang.core.intrinsics.TABLE`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from fedlang.core import computation, intrinsics, ir, structure, types
+
+
+@dataclasses.dataclass
+class _Closure:
+    fn: ir.Lambda
+    env: dict[str, Any]
+
+
+@dataclasses.dataclass
+class _IntrinsicFn:
+    definition: intrinsics.IntrinsicDef
+    type_signature: types.FunctionType
+
+
+class Interpreter:
+    """Evaluates IR with a known number of clients (see `ReferenceContext`)."""
+
+    def __init__(self, num_clients: int | None):
+        self._num_clients = num_clients
+
+    @property
+    def num_clients(self) -> int:
+        if self._num_clients is None:
+            raise ValueError(
+                "The number of clients is unknown: no CLIENTS-placed argument was given. Pass one, or "
+                "run in fedlang.runtime.reference_context(num_clients=N)."
+            )
+        return self._num_clients
+
+    def call(self, fn: Any, arg: Any) -> Any:
+        if isinstance(fn, _Closure):
+            env = dict(fn.env)
+            if fn.fn.parameter_name is not None:
+                env[fn.fn.parameter_name] = arg
+            return self.eval(fn.fn.result, env)
+        if isinstance(fn, _IntrinsicFn):
+            return fn.definition.impl(arg, fn.type_signature.parameter, self)  # type: ignore[arg-type]
+        if isinstance(fn, ir.LocalComputation):
+            return fn.invoke(arg)
+        raise TypeError(f"Cannot call {fn!r}: it is not a function value.")
+
+    def eval(self, node: ir.Node, env: dict[str, Any]) -> Any:
+        if isinstance(node, ir.Reference):
+            if node.name not in env:
+                raise NameError(f"Unbound reference {node.name!r} in the IR.")
+            return env[node.name]
+        if isinstance(node, ir.Block):
+            env = dict(env)
+            for name, value in node.locals:
+                env[name] = self.eval(value, env)
+            return self.eval(node.result, env)
+        if isinstance(node, ir.Call):
+            fn = self.eval(node.function, env)
+            arg = None if node.argument is None else self.eval(node.argument, env)
+            return self.call(fn, arg)
+        if isinstance(node, ir.Lambda):
+            return _Closure(node, env)
+        if isinstance(node, ir.Selection):
+            return self.eval(node.source, env)[node.index]
+        if isinstance(node, ir.Struct):
+            return tuple(self.eval(v, env) for _, v in node.elements)
+        if isinstance(node, ir.Intrinsic):
+            return _IntrinsicFn(intrinsics.lookup(node.uri), node.type_signature)  # type: ignore[arg-type]
+        if isinstance(node, ir.Literal):
+            return node.value
+        if isinstance(node, ir.PlacementLiteral):
+            return node.placement
+        if isinstance(node, ir.Local):
+            return node.computation
+        if isinstance(node, ir.Data):
+            raise ValueError(
+                f"The reference runtime cannot resolve {node}; pass the data as an argument."
+            )
+        raise TypeError(f"Unknown IR node {node!r}.")
+
+
+# ----------------------------------------------------------------------------
+# Converting federated arguments and results
+
+
+def _where(path: str) -> str:
+    return path or "the argument"
+
+
+def count_clients(value: Any, t: types.Type | None, path: str, found: dict[str, int]) -> None:
+    """Records the number of entries of every per-client (non-all-equal CLIENTS) value."""
+    if t is None:
+        return
+    if isinstance(t, types.FederatedType):
+        if t.placement is types.CLIENTS and not t.all_equal:
+            if (
+                isinstance(value, str | bytes | Mapping)
+                or not isinstance(value, Iterable)
+                or hasattr(value, "element_spec")
+            ):
+                raise TypeError(
+                    f"Expected {_where(path)} of type {t} to be a list with one entry per client, found "
+                    f"{types.describe(value)}."
+                )
+            found[path or "the argument"] = len(value) if hasattr(value, "__len__") else -1
+        return
+    if isinstance(t, types.StructType) and types.contains_federated(t):
+        for i, (n, et, v) in enumerate(structure._match_fields(value, t, path)):
+            count_clients(v, et, f"{path}{structure._field(n, i)}", found)
+
+
+def infer_num_clients(value: Any, t: types.Type | None, default: int | None) -> int | None:
+    found: dict[str, int] = {}
+    count_clients(value, t, "", found)
+    counts = {p: c for p, c in found.items() if c >= 0}
+    if len(set(counts.values())) > 1:
+        listing = ", ".join(f"{p} has {c}" for p, c in counts.items())
+        raise ValueError(
+            f"CLIENTS-placed arguments have different numbers of clients: {listing}. Pass one entry per client in each."
+        )
+    if counts:
+        return next(iter(counts.values()))
+    return default
+
+
+def to_internal(value: Any, t: types.Type | None, n: int | None, path: str = "") -> Any:
+    """Validates a Python argument against `t` and converts it for the interpreter."""
+    if t is None:
+        return None
+    if isinstance(t, types.FederatedType):
+        if t.placement is types.CLIENTS and not t.all_equal:
+            values = list(value)
+            return [
+                structure.to_internal(v, t.member, f"{path}[client {i}]")
+                for i, v in enumerate(values)
+            ]
+        member = structure.to_internal(value, t.member, path)
+        if t.placement is types.CLIENTS:
+            if n is None:
+                raise ValueError(
+                    f"Cannot place {_where(path)} ({t}) at every client: the number of clients is unknown. "
+                    "Pass a per-client argument or use reference_context(num_clients=N)."
+                )
+            return [member] * n
+        return member
+    if isinstance(t, types.FunctionType):
+        if not isinstance(value, computation.Computation) or not t.is_assignable_from(
+            value.type_signature
+        ):
+            found = getattr(value, "type_signature", None) or types.describe(value)
+            raise TypeError(
+                f"Expected a computation of type {t} for {_where(path)}, found {found}."
+            )
+        node = value.to_ir()
+        return _Closure(node, {}) if isinstance(node, ir.Lambda) else node.computation  # type: ignore[attr-defined]
+    if isinstance(t, types.StructType) and (
+        types.contains_federated(t) or any(isinstance(x, types.FunctionType) for x in t)
+    ):
+        return tuple(
+            to_internal(v, et, n, f"{path}{structure._field(nm, i)}")
+            for i, (nm, et, v) in enumerate(structure._match_fields(value, t, path))
+        )
+    return structure.to_internal(value, t, path)
+
+
+def to_python(value: Any, t: types.Type) -> Any:
+    """Converts an interpreter result to what users see."""
+    if isinstance(t, types.FederatedType):
+        if t.placement is types.CLIENTS:
+            if t.all_equal:
+                return structure.to_python(value[0], t.member) if value else None
+            return [structure.to_python(v, t.member) for v in value]
+        return structure.to_python(value, t.member)
+    if isinstance(t, types.StructType):
+        return structure.build_container([to_python(v, et) for v, et in zip(value, t.types)], t)
+    if isinstance(t, types.FunctionType):
+        raise TypeError(f"A computation cannot return a function ({t}) to Python.")
+    return structure.to_python(value, t)
+
+
+class ReferenceContext:
+    """Runs computations with the reference interpreter.
+
+    Args:
+      num_clients: the number of clients to use when no CLIENTS-placed argument says
+        (e.g. a computation that only broadcasts and sums).
+    """
+
+    def __init__(self, num_clients: int | None = None):
+        self.num_clients = num_clients
+
+    def invoke(self, comp: Any, arg: Any) -> Any:
+        t = comp.type_signature
+        n = infer_num_clients(arg, t.parameter, self.num_clients)
+        internal = to_internal(arg, t.parameter, n)
+        interp = Interpreter(n)
+        node = comp.to_ir()
+        fn = interp.eval(node, {}) if isinstance(node, ir.Lambda) else node.computation
+        return to_python(interp.call(fn, internal), t.result)
