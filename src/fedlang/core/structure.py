@@ -66,7 +66,7 @@ def to_tensor(value: Any, t: types.TensorType, path: str = "") -> np.ndarray:
                 f"Expected a value of type {t}{_where(path)}, found {types.describe(value)}."
             )
         arr = arr.astype(t.dtype)
-    _check_shape(arr.shape, t, path, f"{types._dtype_name(arr.dtype)}{list(arr.shape)}")
+    _check_shape(arr.shape, t, path, str(types.TensorType(arr.dtype, arr.shape)))
     return arr
 
 

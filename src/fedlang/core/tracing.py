@@ -186,7 +186,6 @@ class Value:
             "math in a @fedlang.jax_computation and apply it with federated_map (or call it on a local value)."
         )
 
-    __jax_array__ = __array__
     __hash__ = None  # type: ignore[assignment]
 
     def __eq__(self, other: object) -> bool:  # type: ignore[override]
@@ -271,7 +270,7 @@ def ir_of(comp: Any, arg_type: types.Type | None) -> ir.Node:
         return comp.concretize_for(arg_type).to_ir()
     if isinstance(comp, computation.Computation):
         return comp.to_ir()
-    raise TypeError(f"Expected a computation, found {types.describe(comp)}.")
+    return to_node(comp)
 
 
 class Polymorphic:
@@ -357,7 +356,16 @@ def trace(
             args = (
                 tuple(arg_value[i] for i in range(len(names))) if len(names) > 1 else (arg_value,)
             )
-        result = fn(*args)
+        try:
+            result = fn(*args)
+        except TypeError as e:
+            if "tracing.Value" not in str(e):
+                raise
+            raise TypeError(
+                f"Cannot use NumPy or JAX on a traced federated value in {name}; write the math in a "
+                "@fedlang.jax_computation and apply it with federated_map (or call it on a local value). "
+                f"(JAX said: {e})"
+            ) from None
         if result is None:
             raise TypeError(
                 f"The federated computation {name} returned None; it must return a value."

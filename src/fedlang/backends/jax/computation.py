@@ -16,6 +16,7 @@ Runtimes then choose how to run the reduce: a host loop of jitted steps over a s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -260,6 +261,7 @@ class JaxComputation(JaxLocal, computation.Computation):
     def _to_leaves(
         self, value: Any, what: str, expected: types.Type | None = None
     ) -> tuple[list[Any], types.Type]:
+        value = _as_arrays(value)
         try:
             t = types.to_type(value) if expected is None else expected
             internal = structure.from_container(value, t)
@@ -378,6 +380,24 @@ class JaxComputation(JaxLocal, computation.Computation):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return computation.Computation.__call__(self, *args, **kwargs)
+
+
+def _as_arrays(value: Any) -> Any:
+    """Python numbers and symbolic dimensions in a result become JAX arrays (containers kept)."""
+    if isinstance(value, jax.Array | np.ndarray | np.generic) or hasattr(value, "fedlang_sparse_type"):
+        return value
+    if isinstance(value, dict):
+        return {k: _as_arrays(v) for k, v in value.items()}
+    if types.is_namedtuple(value):
+        return type(value)(*[_as_arrays(v) for v in value])
+    if isinstance(value, list | tuple):
+        return type(value)(_as_arrays(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _as_arrays(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **fields)
+    if isinstance(value, int | float | bool) or type(value).__name__ == "_DimExpr":
+        return jnp.asarray(value)
+    return value
 
 
 class _NoReduce(Exception):
