@@ -1,6 +1,34 @@
-"""Test configuration shared by the whole suite."""
+"""Test configuration shared by the whole suite, and the runtime conformance fixture."""
 
 import jax
+import pytest
+
+from fedlang.core import context
+from fedlang.runtime import ReferenceContext, SimulationContext
 
 # Implicit dtype promotion hides bugs (float32 * float64 -> float64 silently): forbid it.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+# Every runtime runs the same conformance tests and is compared with the reference.
+RUNTIMES = {
+    "reference": lambda num_clients=None: ReferenceContext(num_clients),
+    "simulation": lambda num_clients=None: SimulationContext(num_clients=num_clients),
+    "simulation-chunk1-scan": lambda num_clients=None: SimulationContext(
+        chunk_size=1, strategy="scan", num_clients=num_clients
+    ),
+    "simulation-chunk2-loop": lambda num_clients=None: SimulationContext(
+        chunk_size=2, strategy="loop", num_clients=num_clients, prefetch=False
+    ),
+}
+
+
+@pytest.fixture(params=list(RUNTIMES))
+def runtime(request):
+    """Makes each runtime the default in turn; yields a factory `make(num_clients=None)`."""
+    make = RUNTIMES[request.param]
+    previous = context.get_default_context()
+    context.set_default_context(make())
+    try:
+        yield make
+    finally:
+        context.set_default_context(previous)

@@ -43,4 +43,4 @@ from fedlang.runtime import set_default_context as set_default_context
 __version__ = "0.1.0"
 
 if runtime.get_default_context() is None:
-    runtime.set_default_context(runtime.ReferenceContext())
+    runtime.set_default_context(runtime.SimulationContext())

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 import fedlang as fl
-from fedlang.core import intrinsics
+from fedlang.core import context, intrinsics
+
+pytestmark = pytest.mark.usefixtures("runtime")
 
 F32 = np.float32
 C_F32 = fl.type_at_clients(np.float32)
@@ -20,11 +22,25 @@ def add_one(x):
 
 def test_table_has_every_intrinsic_with_a_signature():
     expected = {
-        "federated_value_at_server", "federated_value_at_clients", "federated_eval_at_server",
-        "federated_eval_at_clients", "federated_broadcast", "federated_map", "federated_zip",
-        "federated_sum", "federated_mean", "federated_weighted_mean", "federated_aggregate",
-        "federated_min", "federated_max", "federated_select", "federated_secure_sum_bitwidth",
-        "federated_secure_modular_sum", "sequence_map", "sequence_reduce", "sequence_sum",
+        "federated_value_at_server",
+        "federated_value_at_clients",
+        "federated_eval_at_server",
+        "federated_eval_at_clients",
+        "federated_broadcast",
+        "federated_map",
+        "federated_zip",
+        "federated_sum",
+        "federated_mean",
+        "federated_weighted_mean",
+        "federated_aggregate",
+        "federated_min",
+        "federated_max",
+        "federated_select",
+        "federated_secure_sum_bitwidth",
+        "federated_secure_modular_sum",
+        "sequence_map",
+        "sequence_reduce",
+        "sequence_sum",
     }
     assert expected <= set(intrinsics.TABLE)
     for d in intrinsics.TABLE.values():
@@ -67,13 +83,13 @@ def test_federated_eval():
     assert ev_clients([0.0, 1.0]) == [(0.0, 7.0), (1.0, 7.0)]
 
 
-def test_federated_broadcast_and_map_all_equal():
+def test_federated_broadcast_and_map_all_equal(runtime):
     @fl.federated_computation(S_F32)
     def bcast(x):
         return fl.federated_map(add_one, fl.federated_broadcast(x))
 
     assert str(bcast.type_signature) == "(float32@SERVER -> float32@CLIENTS)"
-    with fl.runtime.reference_context(num_clients=3):
+    with context.with_context(runtime(num_clients=3)):
         assert bcast(1.0) == 2.0
 
 
@@ -107,7 +123,10 @@ def test_federated_map_zips_a_tuple_implicitly():
     def prod(a, b):
         return fl.federated_map(mul, (a, b))
 
-    assert str(prod.type_signature) == "(<a={float32}@CLIENTS,b={float32}@CLIENTS> -> {float32}@CLIENTS)"
+    assert (
+        str(prod.type_signature)
+        == "(<a={float32}@CLIENTS,b={float32}@CLIENTS> -> {float32}@CLIENTS)"
+    )
     assert prod([1.0, 2.0], [3.0, 4.0]) == [3.0, 8.0]
 
 
@@ -129,7 +148,10 @@ def test_federated_zip_keeps_names():
     def z(a, b):
         return fl.federated_zip({"a": a, "b": b})
 
-    assert str(z.type_signature) == "(<a={float32}@CLIENTS,b={int32}@CLIENTS> -> {<a=float32,b=int32>}@CLIENTS)"
+    assert (
+        str(z.type_signature)
+        == "(<a={float32}@CLIENTS,b={int32}@CLIENTS> -> {<a=float32,b=int32>}@CLIENTS)"
+    )
     assert z([1.0, 2.0], [3, 4]) == [{"a": 1.0, "b": 3}, {"a": 2.0, "b": 4}]
 
     @fl.federated_computation(S_F32, fl.type_at_server(np.int32))
@@ -144,7 +166,10 @@ def test_federated_sum_and_struct_zip():
     def s(a, b):
         return fl.federated_sum((a, b))
 
-    assert str(s.type_signature) == "(<a={float32}@CLIENTS,b={int32}@CLIENTS> -> <float32,int32>@SERVER)"
+    assert (
+        str(s.type_signature)
+        == "(<a={float32}@CLIENTS,b={int32}@CLIENTS> -> <float32,int32>@SERVER)"
+    )
     assert s([1.0, 2.5], [3, 4]) == (3.5, 7)
 
 
@@ -166,7 +191,9 @@ def test_federated_mean_unweighted_and_weighted():
         return fl.federated_mean(x, weight=w)
 
     assert mean([68.5, 70.3, 69.8]) == pytest.approx(69.5333, abs=1e-4)
-    assert str(wmean.type_signature) == "(<x={float32}@CLIENTS,w={float32}@CLIENTS> -> float32@SERVER)"
+    assert (
+        str(wmean.type_signature) == "(<x={float32}@CLIENTS,w={float32}@CLIENTS> -> float32@SERVER)"
+    )
     assert wmean([1.0, 3.0], [3.0, 1.0]) == pytest.approx(1.5)
     assert np.isnan(wmean([1.0, 3.0], [0.0, 0.0]))
 
@@ -295,7 +322,9 @@ def test_sequence_map_reduce_sum_local_and_federated():
 
     @fl.federated_computation(SEQ_F32)
     def local(ds):
-        return fl.sequence_sum(fl.sequence_map(square, ds)), fl.sequence_reduce(ds, np.float32(0), add_batch)
+        return fl.sequence_sum(fl.sequence_map(square, ds)), fl.sequence_reduce(
+            ds, np.float32(0), add_batch
+        )
 
     assert str(local.type_signature) == "(sequence<float32[?]> -> <float32[?],float32>)"
     total, reduced = local([np.array([1.0, 2.0], np.float32), np.array([3.0, 4.0], np.float32)])

@@ -7,6 +7,8 @@ import pytest
 import fedlang as fl
 from fedlang.core import ir
 
+pytestmark = pytest.mark.usefixtures("runtime")
+
 C_F32 = fl.type_at_clients(np.float32)
 S_F32 = fl.type_at_server(np.float32)
 
@@ -72,7 +74,10 @@ def test_nested_computation_call_and_struct_selection():
         a, b = s
         return {"sum": fl.federated_sum(b), "a": a}
 
-    assert str(unpack.type_signature) == "(<a=float32@SERVER,b={float32}@CLIENTS> -> <sum=float32@SERVER,a=float32@SERVER>)"
+    assert (
+        str(unpack.type_signature)
+        == "(<a=float32@SERVER,b={float32}@CLIENTS> -> <sum=float32@SERVER,a=float32@SERVER>)"
+    )
     assert unpack({"a": 1.0, "b": [2.0, 3.0]}) == {"sum": 5.0, "a": 1.0}
 
 
@@ -92,7 +97,9 @@ def test_calling_a_computation_with_keywords():
 
 
 def test_adding_server_and_clients_values_says_broadcast_or_aggregate():
-    with pytest.raises(TypeError, match=r"cannot add \{float32\}@CLIENTS and float32@SERVER.*broadcast"):
+    with pytest.raises(
+        TypeError, match=r"cannot add \{float32\}@CLIENTS and float32@SERVER.*broadcast"
+    ):
 
         @fl.federated_computation(C_F32, S_F32)
         def bad(x, y):
@@ -100,7 +107,9 @@ def test_adding_server_and_clients_values_says_broadcast_or_aggregate():
 
 
 def test_arithmetic_on_client_values_says_use_jax_computation():
-    with pytest.raises(TypeError, match=r"cannot multiply \{float32\}@CLIENTS.*jax_computation.*federated_map"):
+    with pytest.raises(
+        TypeError, match=r"cannot multiply \{float32\}@CLIENTS.*jax_computation.*federated_map"
+    ):
         fl.federated_computation(C_F32)(lambda x: x * 2.0)
 
 
@@ -127,9 +136,13 @@ def test_intrinsic_outside_a_computation():
 
 
 def test_wrong_placement_for_an_intrinsic():
-    with pytest.raises(TypeError, match=r"federated_broadcast expects placed at SERVER, found \{float32\}@CLIENTS"):
+    with pytest.raises(
+        TypeError, match=r"federated_broadcast expects placed at SERVER, found \{float32\}@CLIENTS"
+    ):
         fl.federated_computation(C_F32)(lambda x: fl.federated_broadcast(x))
-    with pytest.raises(TypeError, match=r"federated_sum expects placed at CLIENTS, found float32@SERVER"):
+    with pytest.raises(
+        TypeError, match=r"federated_sum expects placed at CLIENTS, found float32@SERVER"
+    ):
         fl.federated_computation(S_F32)(lambda x: fl.federated_sum(x))
 
 

@@ -41,7 +41,10 @@ I32 = fl.TensorType(np.int32)
         (
             fl.FunctionType(
                 fl.StructType(
-                    [fl.type_at_server(np.float32), fl.type_at_clients(fl.SequenceType(fl.TensorType(np.int32, [None])))]
+                    [
+                        fl.type_at_server(np.float32),
+                        fl.type_at_clients(fl.SequenceType(fl.TensorType(np.int32, [None]))),
+                    ]
                 ),
                 fl.type_at_server(np.float32),
             ),
@@ -127,7 +130,11 @@ def test_containers_come_back_as_the_same_container(value):
     t = fl.to_type(value)
     back = structure.to_python(structure.to_internal(value, t), t)
     assert type(back) is type(value)
-    assert back == value if not dataclasses.is_dataclass(value) else back == Pair(np.float32(1.0), np.int32(2))
+    assert (
+        back == value
+        if not dataclasses.is_dataclass(value)
+        else back == Pair(np.float32(1.0), np.int32(2))
+    )
 
 
 def test_dict_keeps_insertion_order():
@@ -147,7 +154,11 @@ def test_dict_keeps_insertion_order():
         (fl.type_at_clients(F32), fl.type_at_clients(F32, all_equal=True), True),
         (fl.type_at_clients(F32, all_equal=True), fl.type_at_clients(F32), False),
         (fl.type_at_server(F32), fl.type_at_clients(F32, all_equal=True), False),
-        (fl.SequenceType(fl.TensorType(np.float32, [None])), fl.SequenceType(fl.TensorType(np.float32, [4])), True),
+        (
+            fl.SequenceType(fl.TensorType(np.float32, [None])),
+            fl.SequenceType(fl.TensorType(np.float32, [4])),
+            True,
+        ),
         (
             fl.FunctionType(fl.TensorType(np.float32, [4]), F32),
             fl.FunctionType(fl.TensorType(np.float32, [None]), F32),
@@ -192,9 +203,11 @@ names = st.one_of(st.none(), st.text("abcxyz", min_size=1, max_size=3))
 
 
 def struct_of(children):
-    return st.lists(st.tuples(names, children), max_size=3).filter(
-        lambda items: len({n for n, _ in items if n}) == len([n for n, _ in items if n])
-    ).map(fl.StructType)
+    return (
+        st.lists(st.tuples(names, children), max_size=3)
+        .filter(lambda items: len({n for n, _ in items if n}) == len([n for n, _ in items if n]))
+        .map(fl.StructType)
+    )
 
 
 local_types = st.recursive(tensor_types, struct_of, max_leaves=6)
@@ -203,14 +216,22 @@ local_types = st.recursive(tensor_types, struct_of, max_leaves=6)
 @given(local_types)
 def test_str_round_trips_through_equality(t):
     # Two structurally equal types print the same and hash the same.
-    clone = types.StructType(t.elements) if isinstance(t, fl.StructType) else fl.TensorType(t.dtype, t.shape)
+    clone = (
+        types.StructType(t.elements)
+        if isinstance(t, fl.StructType)
+        else fl.TensorType(t.dtype, t.shape)
+    )
     assert clone == t and hash(clone) == hash(t) and str(clone) == str(t)
     assert t.is_assignable_from(clone)
 
 
 def concrete(t):
     if isinstance(t, fl.StructType):
-        return {n: concrete(et) for n, et in t.elements} if t.names and all(t.names) else [concrete(et) for et in t.types]
+        return (
+            {n: concrete(et) for n, et in t.elements}
+            if t.names and all(t.names)
+            else [concrete(et) for et in t.types]
+        )
     return np.zeros([3 if d is None else d for d in t.shape], t.dtype)
 
 

@@ -10,12 +10,45 @@ from collections.abc import Iterator
 
 from fedlang.core import context as _context
 from fedlang.runtime.reference import ReferenceContext as ReferenceContext
+from fedlang.runtime.simulation import Options as Options
+from fedlang.runtime.simulation import SimulationContext as SimulationContext
 
 
 @contextlib.contextmanager
 def reference_context(num_clients: int | None = None) -> Iterator[ReferenceContext]:
     """Runs computations called in the body on the reference runtime."""
     with _context.with_context(ReferenceContext(num_clients)) as ctx:
+        yield ctx  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def simulation(
+    chunk_size: int | None = None,
+    memory_budget: int = 512 << 20,
+    strategy: str = "auto",
+    num_clients: int | None = None,
+    prefetch: bool = True,
+) -> Iterator[SimulationContext]:
+    """Runs computations called in the body on the simulation runtime.
+
+    Args:
+      chunk_size: clients evaluated together; memory grows with it, not with the cohort.
+      memory_budget: bytes of client data staged per chunk; larger clients stream.
+      strategy: 'auto', 'loop' or 'scan' (how client datasets are reduced).
+      num_clients: the cohort size when no CLIENTS-placed argument says.
+      prefetch: stage the next chunk's data on a background thread.
+
+    Example:
+      >>> import numpy as np, fedlang as fl
+      >>> @fl.federated_computation(fl.type_at_clients(np.float32))
+      ... def mean(x):
+      ...   return fl.federated_mean(x)
+      >>> with fl.runtime.simulation(chunk_size=2):
+      ...   print(mean([1.0, 2.0, 3.0]))
+      2.0
+    """
+    ctx = SimulationContext(Options(chunk_size, memory_budget, strategy, num_clients, prefetch))
+    with _context.with_context(ctx):
         yield ctx  # type: ignore[misc]
 
 

@@ -7,6 +7,9 @@ import pytest
 
 import fedlang as fl
 
+pytestmark = pytest.mark.usefixtures("runtime")
+
+
 BATCH = fl.to_type({"x": (np.float32, [None, 2]), "y": (np.float32, [None])})
 
 
@@ -18,7 +21,9 @@ def test_result_type_comes_from_tracing_not_execution():
         ran.append(type(x))
         return {"mean": jnp.mean(x, axis=0), "n": x.shape[0], "first": x[0]}
 
-    assert str(stats.type_signature) == "(float32[?,3] -> <mean=float32[3],n=int32,first=float32[3]>)"
+    assert (
+        str(stats.type_signature) == "(float32[?,3] -> <mean=float32[3],n=int32,first=float32[3]>)"
+    )
     assert all(issubclass(t, jax.core.Tracer) for t in ran)
     out = stats(np.ones((4, 3), np.float32))
     assert list(out) == ["mean", "n", "first"]  # dict comes back in the traced order
@@ -36,13 +41,17 @@ def test_multiple_parameters_are_named_by_the_python_arguments():
 
 
 def test_declared_result_type_must_match():
-    with pytest.raises(TypeError, match=r"declares the result type int32, but its JAX code returns float32"):
+    with pytest.raises(
+        TypeError, match=r"declares the result type int32, but its JAX code returns float32"
+    ):
 
         @fl.jax_computation(np.float32, result_type=np.int32)
         def f(x):
             return x * 2.0
 
-    @fl.jax_computation(fl.TensorType(np.float32, [3]), result_type=fl.TensorType(np.float32, [None]))
+    @fl.jax_computation(
+        fl.TensorType(np.float32, [3]), result_type=fl.TensorType(np.float32, [None])
+    )
     def g(x):
         return x
 
@@ -54,7 +63,9 @@ def test_call_checks_argument_types():
     def f(x):
         return x
 
-    with pytest.raises(TypeError, match=r"Expected a value of type float32\[3\], found float32\[4\]"):
+    with pytest.raises(
+        TypeError, match=r"Expected a value of type float32\[3\], found float32\[4\]"
+    ):
         f(np.zeros(4, np.float32))
     with pytest.raises(TypeError, match="convert it explicitly"):
         fl.jax_computation(np.int32)(lambda x: x)(np.float32(1.5))
@@ -72,12 +83,18 @@ def test_dataset_reduce_runs_as_prologue_step_epilogue():
 
         def step(state, batch):
             # `scale` is captured from the enclosing function, as FedProx captures its initial weights.
-            return {"total": state["total"] + scale * jnp.sum(batch["y"]), "n": state["n"] + batch["y"].shape[0]}
+            return {
+                "total": state["total"] + scale * jnp.sum(batch["y"]),
+                "n": state["n"] + batch["y"].shape[0],
+            }
 
         state = ds.reduce(init, step)
         return state["total"] / state["n"].astype(jnp.float32)
 
-    assert str(weighted_sum.type_signature) == "(<scale=float32,ds=sequence<<x=float32[?,2],y=float32[?]>>> -> float32)"
+    assert (
+        str(weighted_sum.type_signature)
+        == "(<scale=float32,ds=sequence<<x=float32[?,2],y=float32[?]>>> -> float32)"
+    )
     batches = [
         {"x": np.zeros((2, 2), np.float32), "y": np.array([1.0, 2.0], np.float32)},
         {"x": np.zeros((1, 2), np.float32), "y": np.array([3.0], np.float32)},

@@ -136,9 +136,13 @@ def _check_x64(t: types.Type, what: str) -> None:
 class JaxLocal:
     """Shared execution of a local JAX computation given its flat programs.
 
-    Subclasses provide `_run(part, leaves)` for part in ('fn', 'prologue', 'step',
-    'epilogue'), each taking and returning flat lists of arrays.
+    Subclasses provide `trace_fn(part)` for part in ('fn', 'prologue', 'step',
+    'epilogue'): a function of flat arrays returning a flat list of arrays, usable
+    under `jax.jit` and `lax.scan` (and `jax.vmap` when `can_vmap`). Runtimes build
+    their own programs from these and cache them with `program(key, build)`.
     """
+
+    can_vmap = True
 
     kind = "jax"
     name: str
@@ -149,8 +153,18 @@ class JaxLocal:
     state_type: types.Type | None
     uses_reduce: bool
 
-    def _run(self, part: str, leaves: list[Any]) -> list[Any]:
+    def trace_fn(self, part: str) -> Callable[..., list[Any]]:
         raise NotImplementedError
+
+    def program(self, key: Any, build: Callable[[], Callable]) -> Callable:
+        """A program derived from this computation, built once per key and cached."""
+        cache = self.__dict__.setdefault("_programs", {})
+        if key not in cache:
+            cache[key] = build()
+        return cache[key]
+
+    def _run(self, part: str, leaves: list[Any]) -> list[Any]:
+        return self.program(("jit", part), lambda: jax.jit(self.trace_fn(part)))(*leaves)
 
     def split_arg(self, arg: Any) -> list[Any]:
         n = len(self.param_types)
@@ -238,9 +252,6 @@ class JaxComputation(JaxLocal, computation.Computation):
                 )
             self._result_t = declared
         self.type_signature = types.FunctionType(param, self._result_t)  # type: ignore[misc]
-        self._jitted = {
-            p: jax.jit(getattr(self, f"_{p}_flat")) for p in ("fn", "prologue", "step", "epilogue")
-        }
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
 
@@ -370,8 +381,8 @@ class JaxComputation(JaxLocal, computation.Computation):
         else:
             jax.eval_shape(self._epilogue_flat, *arg_avals)
 
-    def _run(self, part: str, leaves: list[Any]) -> list[Any]:
-        return self._jitted[part](*leaves)
+    def trace_fn(self, part: str) -> Callable[..., list[Any]]:
+        return getattr(self, f"_{part}_flat")
 
     # -- Computation ----------------------------------------------------------------------
 
@@ -384,7 +395,9 @@ class JaxComputation(JaxLocal, computation.Computation):
 
 def _as_arrays(value: Any) -> Any:
     """Python numbers and symbolic dimensions in a result become JAX arrays (containers kept)."""
-    if isinstance(value, jax.Array | np.ndarray | np.generic) or hasattr(value, "fedlang_sparse_type"):
+    if isinstance(value, jax.Array | np.ndarray | np.generic) or hasattr(
+        value, "fedlang_sparse_type"
+    ):
         return value
     if isinstance(value, dict):
         return {k: _as_arrays(v) for k, v in value.items()}

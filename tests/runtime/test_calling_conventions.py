@@ -1,10 +1,14 @@
-"""The reference runtime's calling conventions and its errors on bad input."""
+"""Calling conventions and errors on bad input, the same on every runtime."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import fedlang as fl
+from fedlang.core import context
+
+pytestmark = pytest.mark.usefixtures("runtime")
+
 
 C_F32 = fl.type_at_clients(np.float32)
 S_F32 = fl.type_at_server(np.float32)
@@ -21,19 +25,21 @@ def test_client_counts_must_agree():
         weighted([1.0, 2.0], [1.0, 1.0, 1.0])
 
 
-def test_number_of_clients_unknown_is_reported_and_can_be_given():
+def test_number_of_clients_unknown_is_reported_and_can_be_given(runtime):
     @fl.federated_computation(S_F32)
     def bcast_sum(x):
         return fl.federated_sum(fl.federated_broadcast(x))
 
     with pytest.raises(ValueError, match="number of clients is unknown"):
         bcast_sum(1.0)
-    with fl.runtime.reference_context(num_clients=4):
+    with context.with_context(runtime(num_clients=4)):
         assert bcast_sum(1.0) == 4.0
 
 
 def test_wrong_argument_types_name_the_client():
-    with pytest.raises(TypeError, match=r"Expected a value of type float32 at \.x\[client 1\], found str"):
+    with pytest.raises(
+        TypeError, match=r"Expected a value of type float32 at \.x\[client 1\], found str"
+    ):
         weighted([1.0, "two"], [1.0, 1.0])
     with pytest.raises(TypeError, match="one entry per client"):
         weighted(1.0, [1.0])

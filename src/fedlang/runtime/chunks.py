@@ -1,0 +1,114 @@
+"""Chunk values: a slice of a cohort's values with a leading client axis.
+
+A chunk value of member type `T` for `c` clients is:
+
+* `Rep(v)`: the same internal value `v` at every client (a broadcast);
+* for a tensor type: an array with leading axis `c`;
+* for a struct type: a tuple of chunk values (fields may mix `Rep` and stacked);
+* for a sequence or sparse type: a list of `c` per-client values (never stacked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from fedlang.core import types
+
+
+@dataclasses.dataclass(frozen=True)
+class Rep:
+    """The same value at every client of a chunk."""
+
+    value: Any
+
+
+def _is_listy(t: types.Type) -> bool:
+    return isinstance(t, types.SequenceType | types.SparseTensorType | types.FunctionType)
+
+
+def stack(values: list[Any], t: types.Type) -> Any:
+    """Per-client internal values -> a chunk value."""
+    if isinstance(t, types.StructType):
+        return tuple(stack([v[i] for v in values], et) for i, et in enumerate(t.types))
+    if _is_listy(t):
+        return list(values)
+    if not values:
+        return np.zeros((0, *[d or 0 for d in t.shape]), t.dtype)  # type: ignore[attr-defined]
+    if len({np.shape(v) for v in values}) > 1:
+        return list(values)  # ragged (unknown dimensions differ between clients): kept per client
+    if any(not isinstance(v, np.ndarray | np.generic) for v in values):
+        return jnp.stack([jnp.asarray(v) for v in values])
+    return np.stack(values)
+
+
+def row(cv: Any, t: types.Type, i: int) -> Any:
+    """Client `i`'s internal value from a chunk value."""
+    if isinstance(cv, Rep):
+        return cv.value
+    if isinstance(t, types.StructType):
+        return tuple(row(x, et, i) for x, et in zip(cv, t.types))
+    return cv[i]
+
+
+def unstack(cv: Any, t: types.Type, c: int) -> list[Any]:
+    """A chunk value -> per-client internal values."""
+    return [row(cv, t, i) for i in range(c)]
+
+
+def head(cv: Any, t: types.Type, k: int) -> Any:
+    """The first `k` clients of a chunk value (drops padding)."""
+    if isinstance(cv, Rep):
+        return cv
+    if isinstance(t, types.StructType):
+        return tuple(head(x, et, k) for x, et in zip(cv, t.types))
+    return cv[:k]
+
+
+def select(cv: Any, index: int) -> Any:
+    """Field `index` of a struct chunk value."""
+    if isinstance(cv, Rep):
+        return Rep(cv.value[index])
+    return cv[index]
+
+
+def is_rep(cv: Any, t: types.Type) -> bool:
+    if isinstance(cv, Rep):
+        return True
+    if isinstance(t, types.StructType):
+        return all(is_rep(x, et) for x, et in zip(cv, t.types))
+    return False
+
+
+def unrep(cv: Any, t: types.Type) -> Any:
+    """The single value of an all-`Rep` chunk value."""
+    if isinstance(cv, Rep):
+        return cv.value
+    return tuple(unrep(x, et) for x, et in zip(cv, t.types))  # type: ignore[attr-defined]
+
+
+def leaves_with_axes(cv: Any, t: types.Type) -> tuple[list[Any], list[int | None]]:
+    """Flat tensor leaves of a chunk value, with vmap in_axes (None for `Rep`)."""
+    from fedlang.core import structure
+
+    if isinstance(cv, Rep):
+        leaves = structure.flatten(cv.value, t)
+        return leaves, [None] * len(leaves)
+    if isinstance(t, types.StructType):
+        out: list[Any] = []
+        axes: list[int | None] = []
+        for x, et in zip(cv, t.types):
+            lv, ax = leaves_with_axes(x, et)
+            out += lv
+            axes += ax
+        return out, axes
+    if _is_listy(t) or isinstance(cv, list):
+        raise Ragged(f"A chunk of {t} values cannot be vectorized.")
+    return [cv], [0]
+
+
+class Ragged(TypeError):
+    """A chunk holds per-client values that cannot be stacked into one array."""
