@@ -1,0 +1,23 @@
+"""Client data for simulation: lazy datasets, an on-disk store, readers, partitioners
+and client samplers. See docs/data.md."""
+
+from fedlang.simulation import datasets as datasets
+from fedlang.simulation import formats as formats
+from fedlang.simulation import partitioners as partitioners
+from fedlang.simulation import sampling as sampling
+from fedlang.simulation import store as store
+from fedlang.simulation.client_data import ClientData as ClientData
+from fedlang.simulation.client_data import UnknownClientError as UnknownClientError
+from fedlang.simulation.client_data import train_test_client_split as train_test_client_split
+from fedlang.simulation.dataset import Dataset as Dataset
+from fedlang.simulation.formats.arrays import from_numpy as from_numpy
+from fedlang.simulation.formats.directory import from_directory as from_directory
+from fedlang.simulation.formats.leaf import from_leaf as from_leaf
+from fedlang.simulation.formats.sqlite import from_sqlite as from_sqlite
+from fedlang.simulation.formats.tabular import from_csv as from_csv
+from fedlang.simulation.formats.tabular import from_pandas as from_pandas
+from fedlang.simulation.sampling import AvailabilitySampler as AvailabilitySampler
+from fedlang.simulation.sampling import UniformSampler as UniformSampler
+from fedlang.simulation.sampling import WeightedSampler as WeightedSampler
+from fedlang.simulation.specs import StringSpec as StringSpec
+from fedlang.simulation.store import StoreError as StoreError

@@ -1,0 +1,443 @@
+"""`Dataset`: a small lazy, re-iterable pipeline over one client's examples.
+
+A `Dataset` is a *recipe*: building one reads nothing; each `iter(dataset)` starts a
+fresh pass that pulls elements through the chain of transformations, so data much
+larger than memory streams through in constant memory. Elements are (nested) dicts,
+tuples, lists or namedtuples of numpy arrays and scalars.
+
+Why not `tf.data` or a torch `DataLoader`? fedlang depends on JAX and numpy only;
+pulling TensorFlow (~500 MB) or torch into every install to iterate over arrays would
+dwarf the rest of the package, and the runtimes only need Python iteration plus a
+background thread. The operations and their names follow `tf.data` so TFF users feel
+at home.
+
+Element types. `element_spec` is a fedlang type (`fedlang.core.types`) describing one
+element, e.g. `<pixels=float32[28,28],label=int32>`. String fields (text before
+tokenization) have no fedlang tensor type: they are described by `specs.StringSpec` in
+`Dataset.structure`, and `element_spec` raises a `TypeError` naming them, since such
+a dataset cannot be fed to a computation until the strings are mapped to numbers.
+A scalar string field holds a Python `str` or `bytes`; after `batch` it is a numpy
+object array.
+
+Shuffling is deterministic for a given seed: pass `k` of a `repeat` reshuffles with a
+seed derived from `(seed, k)`, so `ds.shuffle(100, seed=1).repeat(3)` sees three
+different orders, while iterating the same dataset twice gives the same elements.
+With `seed=None` every pass draws fresh OS entropy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from fedlang.core import types
+from fedlang.simulation import _prefetch, _tree, specs
+
+# A pass is identified by its path of enclosing `repeat` counters; shuffles seed from it.
+_Path = tuple[int, ...]
+_IterFn = Callable[[_Path], Iterator[Any]]
+
+
+def _stack(values: list[Any], where: str) -> np.ndarray:
+    if isinstance(values[0], str | bytes):
+        out = np.empty(len(values), dtype=object)
+        out[:] = values
+        return out
+    try:
+        return np.stack([np.asarray(v) for v in values])
+    except ValueError as e:
+        shapes = sorted({np.shape(v) for v in values})
+        raise ValueError(
+            f"Expected elements of one shape to batch{where}, found shapes {shapes}. "
+            "Pad or crop them to a common shape with `map` before `batch`."
+        ) from e
+
+
+def _columns(arrays: Any) -> Any:
+    if isinstance(arrays, dict):
+        return type(arrays)((k, _columns(v)) for k, v in arrays.items())
+    if isinstance(arrays, tuple):
+        values = [_columns(v) for v in arrays]
+        return type(arrays)(*values) if hasattr(arrays, "_fields") else tuple(values)
+    return _as_column(arrays)
+
+
+def _as_column(x: Any) -> np.ndarray:
+    if isinstance(x, list | tuple) and x and isinstance(x[0], str | bytes):
+        out = np.empty(len(x), dtype=object)
+        out[:] = list(x)
+        return out
+    return np.asarray(x)
+
+
+class Dataset:
+    """A lazy, re-iterable sequence of elements (one client's data).
+
+    Build one with `from_tensor_slices`, `from_generator_fn`, `from_iterable` or
+    `from_slices_fn`, then chain `map`, `filter`, `shuffle`, `batch`, `repeat`,
+    `take` and `prefetch`. Each returns a new `Dataset`; nothing runs until iterated.
+
+    Example:
+      >>> import numpy as np
+      >>> ds = Dataset.from_tensor_slices({'x': np.arange(5, dtype=np.float32)})
+      >>> [b['x'].tolist() for b in ds.map(lambda e: {'x': e['x'] * 2}).batch(2)]
+      [[0.0, 2.0], [4.0, 6.0], [8.0]]
+      >>> str(ds.batch(2).element_spec)
+      '<x=float32[?]>'
+    """
+
+    def __init__(
+        self,
+        iter_fn: _IterFn,
+        structure: Any = None,
+        *,
+        structure_fn: Callable[[], Any] | None = None,
+        slices_fn: Callable[[], Any] | None = None,
+        cardinality: int | None = None,
+    ):
+        """Low-level constructor; prefer the `from_*` class methods."""
+        self._iter_fn = iter_fn
+        self._structure = structure
+        self._structure_fn = structure_fn
+        self._slices_fn = slices_fn
+        self._cardinality = cardinality
+
+    # -- constructors ------------------------------------------------------------
+
+    @classmethod
+    def from_tensor_slices(cls, arrays: Any) -> Dataset:
+        """One element per row of a (nested) structure of arrays with equal length.
+
+        Args:
+          arrays: a (nested) dict or tuple of arrays, or a single array. As in
+            `tf.data`, a list is one array, not a structure; lists of strings become
+            object arrays.
+
+        Returns:
+          A `Dataset` whose i-th element is the structure of `leaf[i]`.
+
+        Raises:
+          ValueError: if the leaves differ in length or are scalars.
+        """
+        columns = _columns(arrays)
+        leaves = _tree.flatten(columns)
+        lengths = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
+        if None in lengths or len(lengths) != 1:
+            shapes = [leaf.shape for leaf in leaves]
+            raise ValueError(
+                f"Expected arrays with one common leading (example) dimension, found shapes "
+                f"{shapes}. Pass one array per field, with one row per example."
+            )
+        structure = _tree.map_structure(_column_spec, columns)
+        return cls.from_slices_fn(lambda: columns, structure, cardinality=lengths.pop())
+
+    @classmethod
+    def from_slices_fn(
+        cls, fn: Callable[[], Any], element_spec: Any = None, *, cardinality: int | None = None
+    ) -> Dataset:
+        """Like `from_tensor_slices`, but `fn()` produces the arrays at each pass.
+
+        This is how lazy sources (an on-disk store, a file) build datasets: nothing is
+        read until iteration starts, and `batch` slices the arrays without per-element
+        work.
+
+        Args:
+          fn: returns a structure of arrays (equal leading dimension) when called.
+          element_spec: the spec of one element (see `specs.to_structure`); inferred by
+            calling `fn` when omitted.
+          cardinality: the number of elements, if known without calling `fn`.
+
+        Returns:
+          A lazy `Dataset`.
+        """
+
+        def iter_fn(path: _Path) -> Iterator[Any]:
+            columns = fn()
+            leaves = _tree.flatten(columns)
+            n = len(leaves[0]) if leaves else 0
+            for i in range(n):
+                yield _tree.unflatten(columns, [leaf[i] for leaf in leaves])
+
+        structure = None if element_spec is None else specs.to_structure(element_spec)
+        return cls(
+            iter_fn,
+            structure,
+            structure_fn=lambda: _tree.map_structure(_column_spec, fn()),
+            slices_fn=fn,
+            cardinality=cardinality,
+        )
+
+    @classmethod
+    def from_generator_fn(cls, fn: Callable[[], Iterable[Any]], element_spec: Any = None) -> Dataset:
+        """Elements from `fn()`, which must return a fresh iterable on every call.
+
+        Args:
+          fn: called at the start of each pass.
+          element_spec: the spec of one element; inferred from the first element
+            (which reads it) when omitted.
+
+        Returns:
+          A lazy `Dataset`.
+        """
+        structure = None if element_spec is None else specs.to_structure(element_spec)
+        return cls(lambda path: iter(fn()), structure)
+
+    @classmethod
+    def from_iterable(cls, iterable: Iterable[Any], element_spec: Any = None) -> Dataset:
+        """Elements of a re-iterable collection (a list, a range, another Dataset).
+
+        Raises:
+          TypeError: if `iterable` is a one-shot iterator, which could not be
+            iterated twice.
+        """
+        if iter(iterable) is iterable:
+            raise TypeError(
+                f"Expected a re-iterable collection, found a one-shot iterator "
+                f"({type(iterable).__name__}). Use `list(...)` or `Dataset.from_generator_fn`."
+            )
+        return cls.from_generator_fn(lambda: iterable, element_spec)
+
+    # -- description -------------------------------------------------------------
+
+    @property
+    def structure(self) -> Any:
+        """One element's structure: containers of `TensorType` and `specs.StringSpec` leaves.
+
+        Raises:
+          ValueError: if it must be inferred (no spec was given) and the dataset is
+            empty.
+        """
+        if self._structure is None:
+            self._structure = (self._structure_fn or self._peek_structure)()
+        return self._structure
+
+    @property
+    def element_spec(self) -> types.Type:
+        """The fedlang type of one element (`to_type(dataset)` is `sequence<...>`).
+
+        Raises:
+          TypeError: if some fields are strings, which have no fedlang type.
+        """
+        return specs.element_type(self.structure)
+
+    @property
+    def cardinality(self) -> int | None:
+        """The number of elements when known without iterating, else None."""
+        return self._cardinality
+
+    def _peek_structure(self) -> Any:
+        it = self._iter_fn(())
+        try:
+            first = next(it)
+        except StopIteration:
+            raise ValueError(
+                "Cannot infer the element spec of an empty dataset. Pass `element_spec=` "
+                "to the constructor (or to `map`)."
+            ) from None
+        finally:
+            _prefetch.close(it)
+        return specs.structure_of(first)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._iter_fn(())
+
+    def __repr__(self) -> str:
+        spec = "?" if self._structure is None else specs.structure_str(self._structure)
+        return f"Dataset({spec})"
+
+    # -- transformations ----------------------------------------------------------
+
+    def _derive(self, iter_fn: _IterFn, structure_fn: Callable[[], Any] | None = None,
+                cardinality: int | None = None) -> Dataset:
+        return Dataset(iter_fn, structure_fn=structure_fn or (lambda: self.structure),
+                       cardinality=cardinality)
+
+    def map(self, fn: Callable[[Any], Any], element_spec: Any = None) -> Dataset:
+        """Applies `fn(element) -> element` to each element (tuples are not unpacked).
+
+        Args:
+          fn: a Python function over numpy values.
+          element_spec: the spec of the output; inferred from the first output when
+            omitted (which reads one element).
+        """
+
+        def iter_fn(path: _Path) -> Iterator[Any]:
+            it = self._iter_fn(path)
+            try:
+                for x in it:
+                    yield fn(x)
+            finally:
+                _prefetch.close(it)
+
+        out = Dataset(iter_fn, cardinality=self._cardinality)
+        if element_spec is not None:
+            out._structure = specs.to_structure(element_spec)
+        return out
+
+    def filter(self, predicate: Callable[[Any], Any]) -> Dataset:
+        """Keeps the elements for which `predicate(element)` is true."""
+
+        def iter_fn(path: _Path) -> Iterator[Any]:
+            it = self._iter_fn(path)
+            try:
+                for x in it:
+                    if predicate(x):
+                        yield x
+            finally:
+                _prefetch.close(it)
+
+        return self._derive(iter_fn)
+
+    def shuffle(self, buffer_size: int, seed: int | None = None) -> Dataset:
+        """Shuffles with a buffer of `buffer_size` elements, as `tf.data` does.
+
+        A buffer at least as large as the dataset gives a uniform permutation. Pass `k`
+        of an enclosing `repeat` uses the seed `(seed, k)`; see the module docstring.
+
+        Raises:
+          ValueError: if `buffer_size < 1`.
+        """
+        if buffer_size < 1:
+            raise ValueError(f"Expected buffer_size >= 1, found {buffer_size}.")
+
+        def iter_fn(path: _Path) -> Iterator[Any]:
+            entropy = None if seed is None else np.random.SeedSequence(seed, spawn_key=path)
+            rng = np.random.default_rng(entropy)
+            buffer: list[Any] = []
+            it = self._iter_fn(path)
+            try:
+                for x in it:
+                    if len(buffer) < buffer_size:
+                        buffer.append(x)
+                        continue
+                    j = int(rng.integers(buffer_size))
+                    buffer[j], x = x, buffer[j]
+                    yield x
+            finally:
+                _prefetch.close(it)
+            for j in rng.permutation(len(buffer)):
+                yield buffer[j]
+
+        return self._derive(iter_fn, cardinality=self._cardinality)
+
+    def batch(self, batch_size: int, drop_remainder: bool = False) -> Dataset:
+        """Stacks consecutive elements into arrays with a leading batch dimension.
+
+        The leading dimension of `element_spec` is None, or `batch_size` when
+        `drop_remainder` is True (then a final short batch is dropped).
+
+        Raises:
+          ValueError: if `batch_size < 1`; when iterating, if elements of one
+            batch differ in shape.
+        """
+        if batch_size < 1:
+            raise ValueError(f"Expected batch_size >= 1, found {batch_size}.")
+        slices_fn = self._slices_fn
+
+        def iter_fn(path: _Path) -> Iterator[Any]:
+            if slices_fn is not None:  # slice whole columns: no per-element work
+                columns = slices_fn()
+                leaves = _tree.flatten(columns)
+                n = len(leaves[0]) if leaves else 0
+                stop = n - n % batch_size if drop_remainder else n
+                for i in range(0, stop, batch_size):
+                    yield _tree.unflatten(columns, [leaf[i : i + batch_size] for leaf in leaves])
+                return
+            it = self._iter_fn(path)
+            try:
+                while True:
+                    chunk = list(itertools.islice(it, batch_size))
+                    if not chunk or (drop_remainder and len(chunk) < batch_size):
+                        return
+                    per_leaf = zip(*(_tree.flatten(x) for x in chunk))
+                    where = ""
+                    leaves = []
+                    for p, values in zip(_tree.paths(chunk[0]), per_leaf):
+                        where = f" in field {p!r}" if p else ""
+                        leaves.append(_stack(list(values), where))
+                    yield _tree.unflatten(chunk[0], leaves)
+            finally:
+                _prefetch.close(it)
+
+        dim = batch_size if drop_remainder else None
+
+        def batched(s: Any) -> Any:
+            if isinstance(s, specs.StringSpec):
+                return specs.StringSpec((dim, *s.shape))
+            return types.TensorType(s.dtype, (dim, *s.shape))
+
+        n = self._cardinality
+        if n is not None:
+            n = n // batch_size if drop_remainder else -(-n // batch_size)
+        return self._derive(iter_fn, lambda: _tree.map_structure(batched, self.structure), n)
+
+    def repeat(self, count: int | None = None) -> Dataset:
+        """Repeats the dataset `count` times (forever when None).
+
+        An empty pass ends the repetition, so `repeat()` of an empty dataset is empty
+        rather than an endless loop.
+        """
+
+        def iter_fn(path: _Path) -> Iterator[Any]:
+            for k in itertools.count() if count is None else range(count):
+                empty = True
+                it = self._iter_fn((*path, k))
+                try:
+                    for x in it:
+                        empty = False
+                        yield x
+                finally:
+                    _prefetch.close(it)
+                if empty:
+                    return
+
+        n = self._cardinality
+        n = None if n is None or count is None else n * count
+        return self._derive(iter_fn, cardinality=0 if self._cardinality == 0 else n)
+
+    def take(self, count: int) -> Dataset:
+        """The first `count` elements."""
+
+        def iter_fn(path: _Path) -> Iterator[Any]:
+            if count <= 0:
+                return
+            it = self._iter_fn(path)
+            try:
+                yield from itertools.islice(it, count)
+            finally:
+                _prefetch.close(it)
+
+        n = self._cardinality
+        return self._derive(iter_fn, cardinality=None if n is None else min(n, max(count, 0)))
+
+    def prefetch(self, buffer_size: int = 2) -> Dataset:
+        """Produces up to `buffer_size` elements ahead on a background thread.
+
+        Exceptions raised while producing are re-raised to the consumer. Stopping
+        early (break, `take`, garbage collection of the iterator) stops and joins the
+        thread.
+        """
+        if buffer_size < 1:
+            raise ValueError(f"Expected buffer_size >= 1, found {buffer_size}.")
+
+        def iter_fn(path: _Path) -> Iterator[Any]:
+            return _prefetch.prefetch(lambda: self._iter_fn(path), buffer_size)
+
+        return self._derive(iter_fn, cardinality=self._cardinality)
+
+    def reduce(self, initial: Any, fn: Callable[[Any, Any], Any]) -> Any:
+        """Folds `state = fn(state, element)` over one pass (plain Python)."""
+        state = initial
+        for x in self:
+            state = fn(state, x)
+        return state
+
+
+def _column_spec(column: np.ndarray) -> types.TensorType | specs.StringSpec:
+    if column.dtype.kind in "OSU":
+        return specs.StringSpec(column.shape[1:])
+    return types.TensorType(column.dtype, column.shape[1:])
+

@@ -1,0 +1,190 @@
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fedlang.core import types
+from fedlang.simulation import dataset as dataset_lib
+from fedlang.simulation import specs
+
+Dataset = dataset_lib.Dataset
+
+
+def _ds(n=10):
+    return Dataset.from_tensor_slices({"x": np.arange(n, dtype=np.float32), "y": np.arange(n, dtype=np.int32)})
+
+
+def _ys(ds):
+    return [int(e["y"]) for e in ds]
+
+
+def test_from_tensor_slices_elements_and_spec():
+    ds = _ds(3)
+    assert [float(e["x"]) for e in ds] == [0.0, 1.0, 2.0]
+    assert str(ds.element_spec) == "<x=float32,y=int32>"
+    assert types.to_type(ds) == types.SequenceType(ds.element_spec)
+    assert ds.cardinality == 3
+
+
+def test_from_tensor_slices_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="common leading"):
+        Dataset.from_tensor_slices({"x": np.zeros(3), "y": np.zeros(4)})
+
+
+def test_nested_tuple_structure_round_trips():
+    ds = Dataset.from_tensor_slices(((np.zeros((4, 2), np.float32), {"a": np.arange(4)}), np.ones(4)))
+    first = next(iter(ds))
+    assert isinstance(first, tuple) and first[0][0].shape == (2,)
+    assert str(ds.batch(2).element_spec) == "<<float32[?,2],<a=int64[?]>>,float64[?]>"
+
+
+def test_iteration_is_lazy_and_restartable():
+    calls = []
+
+    def gen():
+        calls.append(1)
+        return iter(range(3))
+
+    ds = Dataset.from_generator_fn(gen, np.int64).map(lambda v: v * 2)
+    assert calls == []
+    assert list(ds) == [0, 2, 4] and list(ds) == [0, 2, 4]
+    assert len(calls) == 2
+
+
+def test_map_infers_spec_from_first_element_or_uses_given():
+    ds = _ds().map(lambda e: {"z": e["x"] * 2})
+    assert str(ds.element_spec) == "<z=float32>"
+    given = _ds().map(lambda e: e["y"], element_spec=np.int32)
+    assert given.element_spec == types.TensorType(np.int32)
+
+
+def test_filter_take_repeat():
+    ds = _ds().filter(lambda e: e["y"] % 2 == 0)
+    assert _ys(ds) == [0, 2, 4, 6, 8]
+    assert _ys(ds.take(2)) == [0, 2]
+    assert _ys(_ds(3).repeat(2)) == [0, 1, 2, 0, 1, 2]
+    assert _ys(_ds(2).repeat().take(5)) == [0, 1, 0, 1, 0]
+    assert _ds(3).repeat(2).cardinality == 6 and _ds(3).take(0).cardinality == 0
+
+
+def test_repeat_forever_of_empty_dataset_ends():
+    assert list(_ds(0).repeat()) == []
+
+
+def test_shuffle_is_deterministic_and_a_permutation():
+    ds = _ds(50).shuffle(8, seed=3)
+    assert _ys(ds) == _ys(ds)
+    assert sorted(_ys(ds)) == list(range(50))
+    assert _ys(ds) != list(range(50))
+    assert _ys(_ds(50).shuffle(8, seed=4)) != _ys(ds)
+
+
+def test_shuffle_reshuffles_each_repeat_pass_deterministically():
+    ds = _ds(20).shuffle(100, seed=1).repeat(2)
+    ys = _ys(ds)
+    assert ys[:20] != ys[20:] and sorted(ys[:20]) == sorted(ys[20:])
+    assert ys == _ys(ds)
+
+
+def test_shuffle_rejects_bad_buffer():
+    with pytest.raises(ValueError, match="buffer_size >= 1"):
+        _ds().shuffle(0)
+
+
+def test_batch_stacks_with_leading_dim():
+    batches = list(_ds(5).batch(2))
+    assert [b["y"].tolist() for b in batches] == [[0, 1], [2, 3], [4]]
+    assert str(_ds().batch(2).element_spec) == "<x=float32[?],y=int32[?]>"
+    assert str(_ds().batch(2, drop_remainder=True).element_spec) == "<x=float32[2],y=int32[2]>"
+    assert len(list(_ds(5).batch(2, drop_remainder=True))) == 2
+    assert _ds(5).batch(2).cardinality == 3
+
+
+def test_batch_of_generated_elements_matches_sliced_batch():
+    sliced = [b["x"].tolist() for b in _ds(7).batch(3)]
+    generic = [b["x"].tolist() for b in _ds(7).map(lambda e: e).batch(3)]
+    assert sliced == generic
+
+
+def test_batch_of_ragged_elements_names_field():
+    ds = Dataset.from_iterable([{"t": np.zeros(2)}, {"t": np.zeros(3)}])
+    with pytest.raises(ValueError, match="field 't'"):
+        list(ds.batch(2))
+
+
+def test_strings_have_structure_but_no_element_type():
+    ds = Dataset.from_tensor_slices({"text": ["a b", "c"], "n": np.arange(2)})
+    assert str(specs.structure_str(ds.structure)) == "<text=string,n=int64>"
+    assert [e["text"] for e in ds] == ["a b", "c"]
+    batch = next(iter(ds.map(lambda e: e).batch(2)))
+    assert batch["text"].dtype == object and batch["text"].tolist() == ["a b", "c"]
+    with pytest.raises(TypeError, match=r"string field\(s\) \['text'\]"):
+        _ = ds.element_spec
+
+
+def test_generator_spec_accepts_string_spec():
+    ds = Dataset.from_generator_fn(lambda: iter([b"ab"]), bytes)
+    assert ds.structure == specs.StringSpec(())
+
+
+def test_empty_dataset_spec_needs_explicit_spec():
+    with pytest.raises(ValueError, match="empty dataset"):
+        _ = Dataset.from_generator_fn(lambda: iter([])).element_spec
+    assert Dataset.from_generator_fn(lambda: iter([]), np.float32).element_spec == types.TensorType(np.float32)
+
+
+def test_from_iterable_rejects_one_shot_iterators():
+    with pytest.raises(TypeError, match="re-iterable"):
+        Dataset.from_iterable(iter([1, 2]))
+    assert list(Dataset.from_iterable([1, 2])) == [1, 2]
+
+
+def test_reduce():
+    assert _ds(5).reduce(0, lambda s, e: s + int(e["y"])) == 10
+
+
+def test_prefetch_yields_everything_in_order():
+    assert _ys(_ds(20).prefetch(3)) == list(range(20))
+
+
+def test_prefetch_propagates_exceptions():
+    def boom(e):
+        if e["y"] == 3:
+            raise RuntimeError("bad element")
+        return e
+
+    with pytest.raises(RuntimeError, match="bad element"):
+        list(_ds().map(boom).prefetch(2))
+
+
+def _wait_threads(baseline):
+    for _ in range(100):
+        if threading.active_count() <= baseline:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_prefetch_does_not_leak_threads_on_early_stop():
+    baseline = threading.active_count()
+    for _ in range(5):
+        for e in _ds(1000).prefetch(2):
+            if e["y"] == 2:
+                break
+    assert _wait_threads(baseline)
+    it = iter(_ds(1000).prefetch(2))
+    next(it)
+    del it
+    assert _wait_threads(baseline)
+    assert _ys(_ds(1000).repeat().prefetch(2).take(3)) == [0, 1, 2]
+    assert _wait_threads(baseline)
+
+
+def test_to_structure_from_fedlang_types():
+    t = types.to_type({"a": (np.float32, [2]), "b": np.int32})
+    structure = specs.to_structure(t)
+    assert list(structure) == ["a", "b"]
+    assert specs.element_type(structure) == t
+    with pytest.raises(TypeError, match="tensor or struct"):
+        specs.to_structure(types.FederatedType(np.float32, types.CLIENTS))
