@@ -137,11 +137,12 @@ def test_intrinsic_outside_a_computation():
 
 def test_wrong_placement_for_an_intrinsic():
     with pytest.raises(
-        TypeError, match=r"federated_broadcast expects placed at SERVER, found \{float32\}@CLIENTS"
+        TypeError,
+        match=r"federated_broadcast expects a value placed at SERVER, found \{float32\}@CLIENTS",
     ):
         fl.federated_computation(C_F32)(lambda x: fl.federated_broadcast(x))
     with pytest.raises(
-        TypeError, match=r"federated_sum expects placed at CLIENTS, found float32@SERVER"
+        TypeError, match=r"federated_sum expects a value placed at CLIENTS, found float32@SERVER"
     ):
         fl.federated_computation(S_F32)(lambda x: fl.federated_sum(x))
 
@@ -188,3 +189,26 @@ def test_captured_value_from_an_enclosing_trace():
 def test_wrong_number_of_types_for_the_parameters():
     with pytest.raises(TypeError, match=r"has 2 parameter\(s\)"):
         fl.federated_computation(C_F32)(lambda x, y: x)
+
+
+def test_hint_when_the_argument_contains_a_federated_value():
+    @fl.jax_computation(np.float32, np.float32)
+    def exceeds(x, t):
+        return x > t
+
+    with pytest.raises(TypeError, match="federated_map"):
+        fl.federated_computation(C_F32)(lambda x: exceeds(x, 70.0))
+
+
+def test_polymorphic_computation_called_with_client_lists_explains_placements():
+    @fl.federated_computation
+    def mean(x):
+        return fl.federated_mean(x)
+
+    with pytest.raises(TypeError, match=r"placements .* cannot be inferred"):
+        mean([1.0, 2.0])
+
+
+def test_numpy_reductions_on_traced_values_fail_helpfully():
+    with pytest.raises(TypeError, match="NumPy or JAX"):
+        fl.federated_computation(C_F32)(lambda x: np.sum(x))

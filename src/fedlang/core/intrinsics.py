@@ -75,7 +75,7 @@ def _fed(
     if not isinstance(t, types.FederatedType) or (
         placement is not None and t.placement is not placement
     ):
-        where = f"placed at {placement}" if placement else "a federated value"
+        where = f"a value placed at {placement}" if placement else "a federated value"
         raise TypeError(f"{uri} expects {where}, found {t}.{(' ' + hint) if hint else ''}")
     return t
 

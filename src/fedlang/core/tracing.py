@@ -49,9 +49,7 @@ class TracingContext:
         ):
             hint = ""
             at = arg_node.type_signature
-            if isinstance(at, types.FederatedType) and not types.contains_federated(
-                fn_type.parameter
-            ):
+            if types.contains_federated(at) and not types.contains_federated(fn_type.parameter):
                 hint = " The function is local: apply it to a federated value with federated_map(fn, value)."
             raise TypeError(
                 f"{getattr(comp, 'name', 'computation')} expects an argument of type {fn_type.parameter}, "
@@ -139,7 +137,7 @@ class Value:
             from fedlang.core import operators
 
             return operators.federated_select_field(self, key)
-        raise TypeError(f"Cannot select {key!r} from a value of type {t}; it is not a struct.")
+        raise AttributeError(f"Cannot select {key!r} from a value of type {t}; it is not a struct.")
 
     def __getattr__(self, name: str) -> Value:
         if name.startswith("__"):
@@ -334,7 +332,16 @@ class Polymorphic:
             arg_type = types.StructType(
                 [(name, t) for name, t in zip(self.parameter_names, arg_type)]
             )  # type: ignore[arg-type]
-        return ctx.invoke(self.concretize_for(arg_type), arg)
+        try:
+            concrete = self.concretize_for(arg_type)
+        except TypeError as e:
+            # Placements cannot be inferred from Python values: make the likely mistake clear.
+            raise TypeError(
+                f"{e} Note: {self.name} is polymorphic and was traced for the Python argument's type "
+                f"{arg_type}; placements (CLIENTS/SERVER) cannot be inferred from Python values, so "
+                f"give types to the decorator or call {self.name}.concretize(...)."
+            ) from None
+        return ctx.invoke(concrete, arg)
 
     def __repr__(self) -> str:
         return f"<polymorphic computation {self.name}>"

@@ -18,8 +18,10 @@ Either way the fold is exact: no padding enters the user's step function.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -53,6 +55,8 @@ class LocalRunner:
         self.memory_budget = memory_budget
         self.devices = devices or jax.local_devices()
         self.choices: dict[Any, Choice] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     # -- without a dataset: one vmap over the chunk ---------------------------------------
 
@@ -74,27 +78,56 @@ class LocalRunner:
         if all(a is None for a in axes):
             return chunks.Rep(structure.unflatten(comp._run("fn", leaves), result_t))
         if not comp.can_vmap:
-            return chunks.stack(
-                [comp.invoke(chunks.row(cv, param_t, i)) for i in range(c)], result_t
-            )
+            return chunks.stack([comp.invoke(chunks.row(cv, param_t, i)) for i in range(c)], result_t)
         key = ("vmap", tuple(axes))
-        prog = comp.program(
-            key, lambda: jax.jit(jax.vmap(comp.trace_fn("fn"), in_axes=tuple(axes)))
-        )
-        return structure.unflatten(prog(*leaves), result_t)
+        prog = comp.program(key, lambda: jax.jit(jax.vmap(comp.trace_fn("fn"), in_axes=tuple(axes))))
+        if len(self.devices) == 1 or c < 2 * len(self.devices):
+            return structure.unflatten(prog(*leaves), result_t)
+        # Split the chunk between devices; calls dispatch asynchronously, so they overlap.
+        parts = np.array_split(np.arange(c), len(self.devices))
+        outs = []
+        for dev, idx in zip(self.devices, parts):
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            placed = [jax.device_put(x if a is None else x[lo:hi], dev) for x, a in zip(leaves, axes)]
+            outs.append(prog(*placed))
+        merged = [np.concatenate([np.asarray(o[j]) for o in outs]) for j in range(len(outs[0]))]
+        return structure.unflatten(merged, result_t)
 
     # -- with a dataset: per-client reduce strategies -----------------------------------------
 
     def _map_with_dataset(self, comp: jax_backend.JaxLocal, cv: Any, c: int) -> Any:
         param_t = comp.type_signature.parameter
         result_t = comp.type_signature.result
-        outs = []
-        for i in range(c):
+
+        def client(i: int, device: Any = None) -> Any:
             args = comp.split_arg(chunks.row(cv, param_t, i))
             leaves = comp.arg_leaves(args)
+            if device is not None:
+                leaves = [jax.device_put(x, device) for x in leaves]
             stream = args[comp.seq_index]  # type: ignore[index]
-            outs.append(structure.unflatten(self.run_client(comp, leaves, stream), result_t))
-        return chunks.stack(outs, result_t)
+            out = self.run_client(comp, leaves, stream)
+            return structure.unflatten([np.asarray(x) for x in out], result_t)
+
+        if len(self.devices) == 1 or c < 2:
+            return chunks.stack([client(i) for i in range(c)], result_t)
+        # Several devices: one worker thread per device takes clients round-robin. JAX
+        # releases the GIL while a program runs, so devices (or CPU cores) work in parallel.
+        nd = len(self.devices)
+        pool = self._device_pool()
+        futures = [
+            pool.submit(lambda idx, dev: [client(j, dev) for j in idx], range(k, c, nd), dev)
+            for k, dev in enumerate(self.devices)
+        ]
+        results: list[Any] = [None] * c
+        for k, fut in enumerate(futures):
+            for j, out in zip(range(k, c, nd), fut.result()):
+                results[j] = out
+        return chunks.stack(results, result_t)
+
+    def _device_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(len(self.devices), thread_name_prefix="fedlang-device")
+        return self._pool
 
     def run_client(self, comp: jax_backend.JaxLocal, leaves: list[Any], stream: Any) -> list[Any]:
         """One client's result leaves for a computation that reduces a dataset."""
@@ -117,6 +150,10 @@ class LocalRunner:
         if len(window) < 2:
             return rest, "loop"
         key = (id(comp), tuple(np.shape(x) for x in window[0]))
+        with self._lock:
+            return rest, self._choice(key, comp, leaves, state, window)
+
+    def _choice(self, key: Any, comp: Any, leaves: list[Any], state: list[Any], window: list[Any]) -> str:
         if key not in self.choices:
             times = {}
             for name, fold in (("loop", self._fold_loop), ("scan", self._fold_scan)):
@@ -125,7 +162,7 @@ class LocalRunner:
                 jax.block_until_ready(fold(comp, leaves, state, iter(window)))
                 times[name] = (time.perf_counter() - t0) / len(window)
             self.choices[key] = Choice(min(times, key=times.__getitem__), times)
-        return rest, self.choices[key].strategy
+        return self.choices[key].strategy
 
     @staticmethod
     def _fold_loop(comp: Any, leaves: list[Any], state: list[Any], batches: Iterator) -> list[Any]:

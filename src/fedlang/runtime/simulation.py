@@ -263,11 +263,12 @@ class Run:
         sources = list(dict.fromkeys(_clients_sources(wave)))
         seq_sources = [s for s in sources if _has_sequence(s.member)]
         pool = self.ctx.pool if self.ctx.options.prefetch and seq_sources else None
+        budget = max(self.ctx.options.memory_budget // max(size, 1), 1 << 16)
         pending: concurrent.futures.Future | None = None
         for k, (start, stop) in enumerate(bounds):
             if pool is not None:
                 if pending is None:
-                    _stage(seq_sources, start, stop, self.ctx.options.memory_budget)
+                    _stage(seq_sources, start, stop, budget)
                 else:
                     pending.result()
                 if k + 1 < len(bounds):
@@ -319,6 +320,20 @@ def _selection_path(fn: ir.Lambda) -> list[int] | None:
 def _clients_sources(wave: list[AggThunk]) -> Iterator[lazy.Source]:
     for a in wave:
         yield from a.input.sources()
+
+
+def _graph(value: lazy.ClientsValue) -> Iterator[lazy.ClientsValue]:
+    yield value
+    for child in value.children():
+        yield from _graph(child)
+
+
+def _type_bytes(t: types.Type) -> int:
+    if isinstance(t, types.TensorType):
+        return int(np.prod([d or 1 for d in t.shape], dtype=np.int64)) * t.dtype.itemsize
+    if isinstance(t, types.StructType):
+        return sum(_type_bytes(x) for x in t)
+    return 0
 
 
 def _has_sequence(t: types.Type) -> bool:
@@ -375,9 +390,16 @@ class SimulationContext:
         self.last_run: Run | None = None
 
     def chunk_size_for(self, wave: list[AggThunk]) -> int:
+        """Clients per chunk: as set, or what fits the memory budget (8 to 256).
+
+        The estimate counts the bytes of every per-client value the wave computes
+        (model weights, updates, metrics: the sizes their types give, unknown dims as
+        1) twice over, for inputs and outputs in flight.
+        """
         if self.options.chunk_size is not None:
             return self.options.chunk_size
-        return 64
+        per_client = sum(_type_bytes(node.member) for a in wave for node in _graph(a.input))
+        return int(np.clip(self.options.memory_budget // max(2 * per_client, 1), 8, 256))
 
     def invoke(self, comp: computation.Computation, arg: Any) -> Any:
         t = comp.type_signature

@@ -162,3 +162,21 @@ def test_sparse_tensors_flow_through_without_densifying():
 
     assert str(total.type_signature) == "(sparse<float32[1000000]> -> float32)"
     assert total(fl.SparseTensor([[3], [999_999]], [1.5, 2.5], [1_000_000])) == 4.0
+
+
+def test_dict_state_and_result_match_fields_by_name():
+    # jax.tree.map and jax.grad return dicts with sorted keys; fields are matched by name.
+    @fl.jax_computation(
+        fl.to_type({"w": np.float32, "b": np.float32}),
+        fl.SequenceType(fl.TensorType(np.float32, [None])),
+    )
+    def fit(params, ds):
+        def step(p, batch):
+            grads = jax.grad(lambda q: jnp.sum((q["w"] * batch + q["b"]) ** 2))(p)
+            return jax.tree.map(lambda a, g: a - 0.01 * g, p, grads)
+
+        return ds.reduce(params, step)
+
+    assert str(fit.type_signature.result) == "<w=float32,b=float32>"
+    out = fit({"w": 1.0, "b": 0.5}, [np.ones(2, np.float32)])
+    assert list(out) == ["w", "b"]

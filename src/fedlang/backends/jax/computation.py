@@ -294,7 +294,15 @@ class JaxComputation(JaxLocal, computation.Computation):
             raise TypeError(
                 f"The jax_computation {self.name} returned None; it must return tensors."
             )
-        out_leaves, out_t = self._to_leaves(out, "the result")
+        if self._result_t is not None:
+            # Match fields by name (jax.tree.map and jax.grad return dicts with sorted keys).
+            try:
+                out_leaves, _ = self._to_leaves(out, "the result", expected=self._result_t)
+                out_t = structure.type_of_leaves(out_leaves, self._result_t)
+            except TypeError:
+                out_leaves, out_t = self._to_leaves(out, "the result")
+        else:
+            out_leaves, out_t = self._to_leaves(out, "the result")
         if self._result_t is None:
             self._result_t = out_t
         elif not self._result_t.is_assignable_from(out_t):
@@ -330,7 +338,11 @@ class JaxComputation(JaxLocal, computation.Computation):
         try:
             self.fn(*self._user_args(args, ds))
         except _Captured as c:
-            new_leaves, new_t = self._to_leaves(c.value, "the state returned by step_fn")
+            try:
+                new_leaves, _ = self._to_leaves(c.value, "the state", expected=self.state_type)
+                new_t = structure.type_of_leaves(new_leaves, self.state_type)
+            except TypeError:
+                new_t = types.to_type(_as_arrays(c.value))
             if not self.state_type.is_assignable_from(new_t):
                 raise TypeError(
                     f"{self.name}: step_fn must return a state of the initial state's type {self.state_type}, "
@@ -357,6 +369,15 @@ class JaxComputation(JaxLocal, computation.Computation):
     # -- typing by tracing ---------------------------------------------------------------
 
     def _trace_types(self) -> None:
+        try:
+            self._trace_types_inner()
+        except (TypeError, ValueError) as e:
+            if not getattr(e, "__notes__", None):
+                raise
+            # Re-raise without the note JAX attaches while tracing: it points at JAX's frames.
+            raise type(e)(str(e)) from None
+
+    def _trace_types_inner(self) -> None:
         if self.seq_index is None:
             (arg_avals,) = abstract_args([(self._arg_leaf_types, "a")])
             jax.eval_shape(self._fn_flat, *arg_avals)
