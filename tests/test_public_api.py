@@ -39,6 +39,9 @@ PUBLIC = {
     "set_default_context",
     "templates",
     "to_type",
+    "serialize_value",
+    "deserialize_value",
+    "SerializationError",
     "type_at_clients",
     "type_at_server",
 }

@@ -24,6 +24,9 @@ from fedlang.core.operators import federated_zip as federated_zip
 from fedlang.core.operators import sequence_map as sequence_map
 from fedlang.core.operators import sequence_reduce as sequence_reduce
 from fedlang.core.operators import sequence_sum as sequence_sum
+from fedlang.core.serialization import SerializationError as SerializationError
+from fedlang.core.serialization import deserialize_value as deserialize_value
+from fedlang.core.serialization import serialize_value as serialize_value
 from fedlang.core.sparse import SparseTensor as SparseTensor
 from fedlang.core.tracing import federated_computation as federated_computation
 from fedlang.core.types import CLIENTS as CLIENTS

@@ -211,7 +211,7 @@ def _surrogate_namedtuple(name: str, fields: tuple[str, ...]) -> type:
     """A namedtuple standing in for a class this process cannot import."""
     key = (name, fields)
     if key not in _SURROGATES:
-        _SURROGATES[key] = collections.namedtuple(name or "Struct", fields)  # type: ignore[misc]
+        _SURROGATES[key] = collections.namedtuple(name or "Struct", fields, rename=True)  # type: ignore[misc]
     return _SURROGATES[key]
 
 
