@@ -237,3 +237,39 @@ def test_several_devices_split_each_chunk(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "ok"
+
+
+XY = fl.SequenceType(fl.to_type({"x": (np.float32, [None, 2]), "y": (np.float32, [None])}))
+
+
+@fl.jax_computation(XY)
+def masked_sum(ds):
+    return ds.reduce(jnp.float32(0), lambda s, b, m: s + jnp.sum(b["y"] * m), masked=True)
+
+
+@fl.jax_computation(XY)
+def plain_sum(ds):
+    return ds.reduce(jnp.float32(0), lambda s, b: s + jnp.sum(b["y"]))
+
+
+@pytest.mark.parametrize(("comp", "runs"), [(masked_sum, [3]), (plain_sum, [2, 1])])
+def test_masked_reduce_pads_ragged_tails_into_one_scan(monkeypatch, comp, runs):
+    seen = []
+    original = local_exec.LocalRunner._scan_run
+    monkeypatch.setattr(
+        local_exec.LocalRunner,
+        "_scan_run",
+        staticmethod(lambda c, lv, s, run: seen.append(len(run)) or original(c, lv, s, run)),
+    )
+    batches = [
+        {"x": np.zeros((4, 2), np.float32), "y": np.ones(4, np.float32)},
+        {"x": np.zeros((4, 2), np.float32), "y": np.ones(4, np.float32)},
+        {"x": np.zeros((3, 2), np.float32), "y": np.ones(3, np.float32) * 2},
+    ]
+
+    @fl.federated_computation(fl.type_at_clients(XY))
+    def total(data):
+        return fl.federated_sum(fl.federated_map(comp, data))
+
+    assert on(SimulationContext(strategy="scan"), total, [batches]) == 14.0
+    assert seen == runs

@@ -22,9 +22,10 @@ def _where(path: str) -> str:
     return f" at {path}" if path else ""
 
 
-def _check_shape(shape: tuple[int, ...], t: types.TensorType, path: str, found_type: str) -> None:
-    if not types._shape_assignable(t.shape, tuple(shape)):
-        raise TypeError(f"Expected a value of type {t}{_where(path)}, found {found_type}.")
+def _check_shape(arr: np.ndarray, t: types.TensorType, path: str) -> None:
+    if not types._shape_assignable(t.shape, arr.shape):
+        found = types.TensorType(arr.dtype, arr.shape)
+        raise TypeError(f"Expected a value of type {t}{_where(path)}, found {found}.")
 
 
 def to_tensor(value: Any, t: types.TensorType, path: str = "") -> np.ndarray:
@@ -33,6 +34,9 @@ def to_tensor(value: Any, t: types.TensorType, path: str = "") -> np.ndarray:
     Python numbers and lists convert to `t.dtype`; arrays may be cast within the same
     kind (float64 -> float32) but never across kinds (float -> int).
     """
+    if type(value) is np.ndarray and value.dtype == t.dtype:  # the hot path: one check per batch
+        _check_shape(value, t, path)
+        return value
     if isinstance(value, str | bytes) or (
         types.is_container(value) and not isinstance(value, list | tuple)
     ):
@@ -66,7 +70,7 @@ def to_tensor(value: Any, t: types.TensorType, path: str = "") -> np.ndarray:
                 f"Expected a value of type {t}{_where(path)}, found {types.describe(value)}."
             )
         arr = arr.astype(t.dtype)
-    _check_shape(arr.shape, t, path, str(types.TensorType(arr.dtype, arr.shape)))
+    _check_shape(arr, t, path)
     return arr
 
 

@@ -78,9 +78,13 @@ class LocalRunner:
         if all(a is None for a in axes):
             return chunks.Rep(structure.unflatten(comp._run("fn", leaves), result_t))
         if not comp.can_vmap:
-            return chunks.stack([comp.invoke(chunks.row(cv, param_t, i)) for i in range(c)], result_t)
+            return chunks.stack(
+                [comp.invoke(chunks.row(cv, param_t, i)) for i in range(c)], result_t
+            )
         key = ("vmap", tuple(axes))
-        prog = comp.program(key, lambda: jax.jit(jax.vmap(comp.trace_fn("fn"), in_axes=tuple(axes))))
+        prog = comp.program(
+            key, lambda: jax.jit(jax.vmap(comp.trace_fn("fn"), in_axes=tuple(axes)))
+        )
         if len(self.devices) == 1 or c < 2 * len(self.devices):
             return structure.unflatten(prog(*leaves), result_t)
         # Split the chunk between devices; calls dispatch asynchronously, so they overlap.
@@ -88,7 +92,9 @@ class LocalRunner:
         outs = []
         for dev, idx in zip(self.devices, parts):
             lo, hi = int(idx[0]), int(idx[-1]) + 1
-            placed = [jax.device_put(x if a is None else x[lo:hi], dev) for x, a in zip(leaves, axes)]
+            placed = [
+                jax.device_put(x if a is None else x[lo:hi], dev) for x, a in zip(leaves, axes)
+            ]
             outs.append(prog(*placed))
         merged = [np.concatenate([np.asarray(o[j]) for o in outs]) for j in range(len(outs[0]))]
         return structure.unflatten(merged, result_t)
@@ -126,7 +132,9 @@ class LocalRunner:
 
     def _device_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(len(self.devices), thread_name_prefix="fedlang-device")
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                len(self.devices), thread_name_prefix="fedlang-device"
+            )
         return self._pool
 
     def run_client(self, comp: jax_backend.JaxLocal, leaves: list[Any], stream: Any) -> list[Any]:
@@ -134,7 +142,8 @@ class LocalRunner:
         if not comp.uses_reduce:
             return comp._run("epilogue", leaves)
         state = comp._run("prologue", leaves)
-        batches = (structure.flatten(b, comp.element_type) for b in stream)
+        element_t = comp.element_type
+        batches = (_with_mask(structure.flatten(b, element_t)) for b in stream)
         strategy = self.strategy
         if strategy == "auto":
             batches, strategy = self._choose(comp, leaves, state, batches)
@@ -153,7 +162,9 @@ class LocalRunner:
         with self._lock:
             return rest, self._choice(key, comp, leaves, state, window)
 
-    def _choice(self, key: Any, comp: Any, leaves: list[Any], state: list[Any], window: list[Any]) -> str:
+    def _choice(
+        self, key: Any, comp: Any, leaves: list[Any], state: list[Any], window: list[Any]
+    ) -> str:
         if key not in self.choices:
             times = {}
             for name, fold in (("loop", self._fold_loop), ("scan", self._fold_scan)):
@@ -177,11 +188,14 @@ class LocalRunner:
         run: list[list[Any]] = []
         for b in batches:
             shapes = [np.shape(x) for x in b]
+            if run and comp.masked and shapes != [np.shape(x) for x in run[0]]:
+                b = _pad_to(b, run[0])  # a smaller (tail) batch joins the run, padded and masked
+                shapes = [np.shape(x) for x in b]
             if run and shapes != [np.shape(x) for x in run[0]]:
                 state = self._scan_run(comp, leaves, state, run)
                 run, window_bytes = [], 0
             run.append(b)
-            window_bytes += sum(np.asarray(x).nbytes for x in b)
+            window_bytes += sum(getattr(x, "nbytes", 0) for x in b)
             if window_bytes >= self.memory_budget:
                 state = self._scan_run(comp, leaves, state, run)
                 run, window_bytes = [], 0
@@ -194,6 +208,8 @@ class LocalRunner:
         comp: Any, leaves: list[Any], state: list[Any], run: list[list[Any]]
     ) -> list[Any]:
         """Folds batches of one shape with scans over power-of-two segment lengths."""
+        if len(run) == 1:  # a lone batch (e.g. a ragged tail): one step, no scan to compile
+            return list(comp._run("step", leaves + list(state) + run[0]))
         n_args, n_state = len(leaves), len(state)
         stacked = [np.stack([np.asarray(b[j]) for b in run]) for j in range(len(run[0]))]
         prog = comp.program(
@@ -207,6 +223,25 @@ class LocalRunner:
             start += length
             remaining -= length
         return list(state)
+
+
+def _with_mask(batch: list[Any]) -> list[Any]:
+    return [*batch, jax_backend.full_mask(batch)]
+
+
+def _pad_to(batch: list[Any], like: list[Any]) -> list[Any]:
+    """`batch` padded with zero examples (mask 0) to the shapes of `like`, if it fits."""
+    n, target = jax_backend.batch_size(batch), jax_backend.batch_size(like)
+    if n >= target or len(batch) != len(like):
+        return batch
+    for x, y in zip(batch, like):
+        sx, sy = np.shape(x), np.shape(y)
+        if len(sx) != len(sy) or (sx and (sx[0] != n or sx[1:] != sy[1:])) or (not sx and sy):
+            return batch
+    return [
+        np.pad(np.asarray(x), [(0, target - n)] + [(0, 0)] * (np.ndim(x) - 1)) if np.ndim(x) else x
+        for x in batch
+    ]
 
 
 def _scan_program(step: Any, n_args: int, n_state: int) -> Any:

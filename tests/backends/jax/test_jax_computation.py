@@ -180,3 +180,22 @@ def test_dict_state_and_result_match_fields_by_name():
     assert str(fit.type_signature.result) == "<w=float32,b=float32>"
     out = fit({"w": 1.0, "b": 0.5}, [np.ones(2, np.float32)])
     assert list(out) == ["w", "b"]
+
+
+@fl.jax_computation(fl.SequenceType(BATCH))
+def masked_mean(ds):
+    def step(state, batch, mask):
+        total, n = state
+        return total + jnp.sum(batch["y"] * mask), n + jnp.sum(mask)
+
+    total, n = ds.reduce((jnp.float32(0), jnp.float32(0)), step, masked=True)
+    return total / n
+
+
+def test_masked_reduce_sees_a_mask_of_real_examples():
+    batches = [
+        {"x": np.zeros((4, 2), np.float32), "y": np.arange(4, dtype=np.float32)},
+        {"x": np.zeros((3, 2), np.float32), "y": np.arange(3, dtype=np.float32) + 10},
+    ]
+    assert masked_mean.masked
+    assert masked_mean(batches) == pytest.approx((0 + 1 + 2 + 3 + 10 + 11 + 12) / 7)

@@ -42,23 +42,38 @@ class DatasetStandIn:
     element before `step_fn`. `element_type` is the fedlang type of one element.
     """
 
-    def __init__(self, element_type: types.Type, mode: str, state: Any = None, batch: Any = None):
+    def __init__(
+        self,
+        element_type: types.Type,
+        mode: str,
+        state: Any = None,
+        batch: Any = None,
+        mask: Any = None,
+    ):
         self.element_type = element_type
         self._mode = mode
         self._state = state
         self._batch = batch
+        self._mask = mask
         self._maps: tuple[Callable, ...] = ()
         self._calls = [0]  # shared with mapped copies: one reduce per dataset
 
     def map(self, fn: Callable[[Any], Any]) -> DatasetStandIn:
         """Applies `fn` (JAX code) to each element before it reaches the reduce."""
-        out = DatasetStandIn(self.element_type, self._mode, self._state, self._batch)
+        out = DatasetStandIn(self.element_type, self._mode, self._state, self._batch, self._mask)
         out._maps = (*self._maps, fn)
         out._calls = self._calls
         return out
 
-    def reduce(self, initial_state: Any, step_fn: Callable[[Any, Any], Any]) -> Any:
-        """Folds the dataset: `state = step_fn(state, element)` for each element."""
+    def reduce(self, initial_state: Any, step_fn: Callable[..., Any], masked: bool = False) -> Any:
+        """Folds the dataset: `state = step_fn(state, element)` for each element.
+
+        With `masked=True` the step is called as `step_fn(state, batch, mask)`, where
+        `mask` is a float32 vector with one entry per example of the batch: 1 for a real
+        example, 0 for padding. Runtimes may then pad batches to a common size (so a run
+        compiles fewer programs and clients can be vectorized); the step must weight
+        every per-example quantity (loss, counts, metrics) by the mask.
+        """
         self._calls[0] += 1
         if self._calls[0] > 1:
             raise TypeError(
@@ -66,12 +81,14 @@ class DatasetStandIn:
                 "epochs, repeat the dataset before passing it to the computation."
             )
         if self._mode == "prologue":
-            raise _Captured(initial_state)
+            raise _Captured((initial_state, bool(masked)))
         if self._mode == "step":
             batch = self._batch
             for fn in self._maps:
                 batch = fn(batch)
-            raise _Captured(step_fn(self._state, batch))
+            raise _Captured(
+                step_fn(self._state, batch, self._mask) if masked else step_fn(self._state, batch)
+            )
         return self._state  # epilogue: the reduce's result is the final state
 
     def __iter__(self) -> Any:
@@ -152,6 +169,7 @@ class JaxLocal:
     seq_index: int | None
     state_type: types.Type | None
     uses_reduce: bool
+    masked: bool = False  # whether the reduce's step takes a padding mask (and tolerates padding)
 
     def trace_fn(self, part: str) -> Callable[..., list[Any]]:
         raise NotImplementedError
@@ -194,7 +212,8 @@ class JaxLocal:
             state = self._run("prologue", leaves)
             element_t = self.element_type
             for element in args[self.seq_index]:
-                state = self._run("step", leaves + state + structure.flatten(element, element_t))
+                batch = structure.flatten(element, element_t)
+                state = self._run("step", leaves + state + batch + [full_mask(batch)])
             out = self._run("epilogue", leaves + state)
         return structure.unflatten([np.asarray(x) for x in out], result_t)
 
@@ -314,7 +333,10 @@ class JaxComputation(JaxLocal, computation.Computation):
         try:
             self.fn(*self._user_args(leaves, ds))
         except _Captured as c:
-            state_leaves, state_t = self._to_leaves(c.value, "the initial state of dataset.reduce")
+            initial_state, self.masked = c.value
+            state_leaves, state_t = self._to_leaves(
+                initial_state, "the initial state of dataset.reduce"
+            )
             if self.state_type is None:
                 self.state_type = state_t
             return state_leaves
@@ -324,17 +346,18 @@ class JaxComputation(JaxLocal, computation.Computation):
         assert self.state_type is not None
         n_args = len(self._arg_leaf_types)
         n_state = len(structure.leaf_types(self.state_type))
-        args, state_leaves, batch_leaves = (
+        args, state_leaves, batch_leaves, mask = (
             leaves[:n_args],
             leaves[n_args : n_args + n_state],
-            leaves[n_args + n_state :],
+            leaves[n_args + n_state : -1],
+            leaves[-1],
         )
         state = structure.to_container(
             structure.unflatten(state_leaves, self.state_type), self.state_type
         )
         element_t = self.element_type
         batch = structure.to_container(structure.unflatten(batch_leaves, element_t), element_t)
-        ds = DatasetStandIn(element_t, "step", state=state, batch=batch)
+        ds = DatasetStandIn(element_t, "step", state=state, batch=batch, mask=mask)
         try:
             self.fn(*self._user_args(args, ds))
         except _Captured as c:
@@ -384,7 +407,7 @@ class JaxComputation(JaxLocal, computation.Computation):
             return
         element_leaf_types = structure.leaf_types(self.element_type)
         arg_avals, batch_avals = abstract_args(
-            [(self._arg_leaf_types, "a"), (element_leaf_types, "b")]
+            [(self._arg_leaf_types, "a"), ([*element_leaf_types, MASK_TYPE], "b")]
         )
         try:
             jax.eval_shape(self._prologue_flat, *arg_avals)
@@ -436,6 +459,23 @@ def _as_arrays(value: Any) -> Any:
 
 class _NoReduce(Exception):
     """The function never called dataset.reduce (it ignores its dataset)."""
+
+
+MASK_TYPE = types.TensorType(np.float32, [None])
+
+
+def batch_size(batch_leaves: Sequence[Any]) -> int:
+    """The number of examples in a batch: the leading dimension of its first non-scalar leaf."""
+    for x in batch_leaves:
+        shape = np.shape(x)
+        if shape:
+            return int(shape[0])
+    return 1
+
+
+def full_mask(batch_leaves: Sequence[Any]) -> np.ndarray:
+    """The mask of an unpadded batch: every example is real."""
+    return np.ones(batch_size(batch_leaves), np.float32)
 
 
 def _concrete_shape(t: types.TensorType) -> tuple[int, ...]:

@@ -45,7 +45,9 @@ def _avals(comp: jax_backend.JaxComputation) -> dict[str, list[jax.ShapeDtypeStr
         (args,) = jax_backend.abstract_args([(arg_types, "a")])
         return {"fn": args}
     element_types = structure.leaf_types(comp.element_type)
-    args, batch = jax_backend.abstract_args([(arg_types, "a"), (element_types, "b")])
+    args, batch = jax_backend.abstract_args(
+        [(arg_types, "a"), ([*element_types, jax_backend.MASK_TYPE], "b")]
+    )
     if not comp.uses_reduce:
         return {"epilogue": args}
     assert comp.state_type is not None
@@ -91,6 +93,7 @@ class ExportedJaxComputation(jax_backend.JaxLocal, computation.Computation):
         state_type: types.Type | None,
         uses_reduce: bool,
         programs: dict[str, bytes],
+        masked: bool = False,
     ):
         self.name = name
         self.parameter_names = parameter_names
@@ -99,6 +102,7 @@ class ExportedJaxComputation(jax_backend.JaxLocal, computation.Computation):
         self.seq_index = seq_index
         self.state_type = state_type
         self.uses_reduce = uses_reduce
+        self.masked = masked
         self.programs = dict(programs)
         self._exported = {p: jax.export.deserialize(bytearray(b)) for p, b in programs.items()}
 
@@ -140,6 +144,7 @@ def _encode(comp: Any, ctx: serialization.EncodeContext) -> dict[str, Any]:
         "seq_index": comp.seq_index,
         "state_type": None if comp.state_type is None else ctx.type_ref(comp.state_type),
         "uses_reduce": comp.uses_reduce,
+        "masked": bool(getattr(comp, "masked", False)),
         "programs": {p: ctx.add_blob(b) for p, b in programs.items()},
     }
 
@@ -164,6 +169,9 @@ def _decode(meta: dict[str, Any], ctx: serialization.DecodeContext) -> ExportedJ
             raise fail(f"a sequence type at parameter {seq_index}", param_types[seq_index])
     if not isinstance(uses_reduce, bool):
         raise fail("a boolean uses_reduce", repr(uses_reduce))
+    masked = meta.get("masked", False)
+    if not isinstance(masked, bool):
+        raise fail("a boolean masked", repr(masked))
     state = meta.get("state_type")
     state_type = None if state is None else ctx.type(state)
     if uses_reduce and seq_index is not None and state_type is None:
@@ -184,6 +192,7 @@ def _decode(meta: dict[str, Any], ctx: serialization.DecodeContext) -> ExportedJ
             state_type,
             uses_reduce,
             blobs,
+            masked,
         )
     except (ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
         raise fail(
