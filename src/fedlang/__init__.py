@@ -5,8 +5,9 @@ The public API is exactly what this module re-exports.
 
 from fedlang import runtime as runtime
 from fedlang import templates as templates
-from fedlang.backends.jax.computation import jax_computation as jax_computation
+from fedlang.backends import jax as _jax_backend  # noqa: F401 - registers the StableHLO codec
 from fedlang.core.computation import Computation as Computation
+from fedlang.core.jax_computation import jax_computation as jax_computation
 from fedlang.core.operators import federated_aggregate as federated_aggregate
 from fedlang.core.operators import federated_apply as federated_apply
 from fedlang.core.operators import federated_broadcast as federated_broadcast

@@ -1,6 +1,8 @@
-"""`IterativeProcess`: a pair of computations driven by a Python loop."""
+"""Process templates: `IterativeProcess`, `MeasuredProcess` and `AggregationProcess`."""
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 from fedlang.core import computation, types
 
@@ -61,3 +63,93 @@ class IterativeProcess:
 
     def __repr__(self) -> str:
         return f"IterativeProcess(initialize: {self.initialize.type_signature}, next: {self.next.type_signature})"
+
+
+class MeasuredProcessOutput(NamedTuple):
+    """What `MeasuredProcess.next` returns: the new state, the result and measurements."""
+
+    state: Any
+    result: Any
+    measurements: Any
+
+
+def _next_result_fields(next_fn: computation.Computation) -> types.StructType:
+    result = next_fn.type_signature.result
+    if not (
+        isinstance(result, types.StructType)
+        and result.names == ("state", "result", "measurements")
+    ):
+        raise TypeError(
+            "Expected next_fn to return <state=...,result=...,measurements=...> (a "
+            f"fedlang.templates.MeasuredProcessOutput), found {result}. Return "
+            "MeasuredProcessOutput(state, result, measurements)."
+        )
+    return result
+
+
+class MeasuredProcess(IterativeProcess):
+    """An iterative process whose `next` returns `MeasuredProcessOutput(state, result, measurements)`.
+
+    `measurements` report what the process did (placed at the server); `result` is what
+    the caller uses. Processes compose by nesting: an outer process calls an inner
+    process's `next` inside its own `next` and reports the inner measurements under
+    its own.
+
+    Raises:
+      TypeError: when `next` does not return a `MeasuredProcessOutput`, or the
+        computations do not fit together.
+    """
+
+    def __init__(self, initialize_fn: computation.Computation, next_fn: computation.Computation):
+        super().__init__(initialize_fn, next_fn)
+        _next_result_fields(next_fn)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(initialize: {self.initialize.type_signature}, "
+            f"next: {self.next.type_signature})"
+        )
+
+
+class AggregationProcess(MeasuredProcess):
+    """A measured process that aggregates client values into one server value.
+
+    `initialize() -> S@SERVER` and `next(state, client_values[, client_weights]) ->
+    MeasuredProcessOutput(S@SERVER, V@SERVER, M@SERVER)`, where `client_values` is
+    `{V}@CLIENTS` and the optional `client_weights` is `{W}@CLIENTS`. Called directly,
+    client values (and weights) are lists with one entry per client.
+
+    Raises:
+      TypeError: when the state is not at SERVER, the values are not at CLIENTS, or the
+        result or measurements are not at SERVER.
+    """
+
+    def __init__(self, initialize_fn: computation.Computation, next_fn: computation.Computation):
+        super().__init__(initialize_fn, next_fn)
+        if not _at(self.state_type, types.SERVER):
+            raise TypeError(f"Expected the aggregation state at SERVER, found {self.state_type}.")
+        param = next_fn.type_signature.parameter
+        n = len(next_fn.parameter_names)
+        if not isinstance(param, types.StructType) or n not in (2, 3):
+            raise TypeError(
+                "Expected next_fn(state, client_values[, client_weights]), found "
+                f"{next_fn.type_signature}."
+            )
+        for t in param.types[1:]:
+            if not _at(t, types.CLIENTS):
+                raise TypeError(f"Expected client values placed at CLIENTS, found {t}.")
+        result = _next_result_fields(next_fn)
+        for name in ("result", "measurements"):
+            if not _at(result[name], types.SERVER):
+                raise TypeError(f"Expected the aggregation's {name} at SERVER, found {result[name]}.")
+        self.value_type = param.types[1].member  # type: ignore[attr-defined]
+        self.weight_type = param.types[2].member if n == 3 else None  # type: ignore[attr-defined]
+
+    @property
+    def is_weighted(self) -> bool:
+        """True when `next` takes client weights."""
+        return self.weight_type is not None
+
+
+def _at(t: types.Type, placement: types.Placement) -> bool:
+    return isinstance(t, types.FederatedType) and t.placement is placement

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from fedlang.backends.jax import computation as jax_backend
+from fedlang.core import jax_computation as jax_backend
 from fedlang.core import structure
 from fedlang.runtime import chunks
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import jax
 
-from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import computation, ir, serialization, structure, types
+from fedlang.core import jax_computation as jax_backend
 
 PLATFORMS = ("cpu", "cuda")
 
