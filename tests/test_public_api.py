@@ -29,6 +29,8 @@ PUBLIC = {
     "federated_secure_sum_bitwidth",
     "federated_select",
     "federated_sum",
+    "federated_sparse_sum",
+    "federated_sparse_mean",
     "federated_value",
     "federated_zip",
     "jax_computation",

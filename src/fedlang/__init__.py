@@ -19,6 +19,8 @@ from fedlang.core.operators import federated_min as federated_min
 from fedlang.core.operators import federated_secure_modular_sum as federated_secure_modular_sum
 from fedlang.core.operators import federated_secure_sum_bitwidth as federated_secure_sum_bitwidth
 from fedlang.core.operators import federated_select as federated_select
+from fedlang.core.operators import federated_sparse_mean as federated_sparse_mean
+from fedlang.core.operators import federated_sparse_sum as federated_sparse_sum
 from fedlang.core.operators import federated_sum as federated_sum
 from fedlang.core.operators import federated_value as federated_value
 from fedlang.core.operators import federated_zip as federated_zip

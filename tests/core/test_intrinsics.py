@@ -337,3 +337,47 @@ def test_sequence_map_reduce_sum_local_and_federated():
     assert str(fed.type_signature) == "({sequence<float32[?]>}@CLIENTS -> float32@SERVER)"
     gen = (np.ones(2, np.float32) for _ in range(5))
     assert fed([[np.array([1.0], np.float32)], gen]) == 11.0
+
+
+SPARSE_C = fl.type_at_clients(fl.SparseTensorType(np.float32, [5, 2]))
+
+
+@fl.federated_computation(SPARSE_C)
+def sparse_family(x):
+    return (
+        fl.federated_sparse_sum(x),
+        fl.federated_sparse_sum(x, keep_sparse=True),
+        fl.federated_sparse_mean(x),
+    )
+
+
+def test_sparse_family_has_explicit_semantics():
+    assert str(sparse_family.type_signature) == (
+        "({sparse<float32[5,2]>}@CLIENTS -> "
+        "<float32[5,2]@SERVER,sparse<float32[5,2]>@SERVER,sparse<float32[5,2]>@SERVER>)"
+    )
+    a = fl.SparseTensor([[0, 1], [3, 0]], [1.0, 2.0], (5, 2))
+    b = fl.SparseTensor([[3, 0], [4, 1], [3, 0]], [4.0, 1.0, 2.0], (5, 2))  # [3,0] twice: summed
+    c = fl.SparseTensor(
+        np.zeros((0, 2), np.int64), np.zeros(0, np.float32), (5, 2)
+    )  # touches nothing
+    dense, union, mean = sparse_family([a, b, c])
+    expected = np.zeros((5, 2), np.float32)
+    expected[0, 1], expected[3, 0], expected[4, 1] = 1.0, 8.0, 1.0
+    np.testing.assert_array_equal(dense, expected)
+    assert union.indices.tolist() == [[0, 1], [3, 0], [4, 1]] and union.values.tolist() == [
+        1.0,
+        8.0,
+        1.0,
+    ]
+    # [3,0]: (2 + 6) / 2 clients that sent it; c sent nothing and does not dilute the mean.
+    assert mean.indices.tolist() == [[0, 1], [3, 0], [4, 1]] and mean.values.tolist() == [
+        1.0,
+        4.0,
+        1.0,
+    ]
+
+
+def test_sparse_family_rejects_dense_values():
+    with pytest.raises(TypeError, match="expects sparse tensors"):
+        fl.federated_computation(C_F32)(lambda x: fl.federated_sparse_sum(x))

@@ -675,3 +675,8 @@ def _seq_sum_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
 
 # Type signature: sequence<T> -> T  (pointwise on {sequence<T>}@P)
 _define("sequence_sum", "(sequence<T> -> T)")((_seq_sum_rule, _seq_sum_impl))
+
+
+# The sparse aggregation family registers its entries in TABLE (a separate module only
+# to keep this one readable).
+from fedlang.core import sparse_intrinsics as _sparse_intrinsics  # noqa: E402, F401

@@ -258,3 +258,27 @@ def federated_select_field(value: tracing.Value, key: str | int) -> tracing.Valu
     param = ir.Reference("x", t.member)
     selector = ir.Lambda("x", t.member, ir.Selection(param, key))
     return intrinsics.call_intrinsic("federated_map", (tracing.NodeRef(selector), value))
+
+
+def federated_sparse_sum(value: Any, keep_sparse: bool = False) -> tracing.Value:
+    """Sums sparse client values with explicit semantics (never component-wise).
+
+    Type signature: `({sparse<T[s]>}@CLIENTS -> T[s]@SERVER)`: every client's entries are
+    scattered into a dense result (duplicate indices add up). With `keep_sparse=True`:
+    `({sparse<T[s]>}@CLIENTS -> sparse<T[s]>@SERVER)`, the union of the clients'
+    indices with summed values (coalesced: unique, sorted indices).
+    """
+    uri = "federated_sparse_sum_keep_sparse" if keep_sparse else "federated_sparse_sum"
+    return intrinsics.call_intrinsic(uri, _federated(value, "federated_sparse_sum"))
+
+
+def federated_sparse_mean(value: Any) -> tracing.Value:
+    """The mean of sparse client values over the clients that contributed to each index.
+
+    Type signature: `({sparse<T[s]>}@CLIENTS -> sparse<T[s]>@SERVER)`. At each index of
+    the union of the clients' indices, the sum of the values divided by the number of
+    clients that sent that index (a client sending an index twice counts once).
+    """
+    return intrinsics.call_intrinsic(
+        "federated_sparse_mean", _federated(value, "federated_sparse_mean")
+    )

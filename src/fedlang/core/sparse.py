@@ -77,3 +77,29 @@ def _unflatten(dense_shape: tuple[int, ...], children: Any) -> SparseTensor:
 
 
 jax.tree_util.register_pytree_node(SparseTensor, _flatten, _unflatten)
+
+
+def coalesce(
+    indices: np.ndarray, values: np.ndarray, counts: np.ndarray | None = None
+) -> tuple[np.ndarray, ...]:
+    """Sorts COO entries by index and sums duplicates (and their `counts`, if given).
+
+    Returns `(indices, values)` or `(indices, values, counts)`; indices are unique and in
+    lexicographic order, so the result does not depend on the order of the entries.
+    """
+    values = np.asarray(values)
+    indices = np.asarray(indices, np.int64)
+    if len(values):
+        indices = indices.reshape(len(values), -1)
+    if len(values) == 0:
+        out = (indices, values)
+        return (*out, np.zeros(0, np.int64)) if counts is not None else out
+    unique, inverse = np.unique(indices, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    summed = np.zeros(len(unique), values.dtype)
+    np.add.at(summed, inverse, values)
+    if counts is None:
+        return unique, summed
+    total = np.zeros(len(unique), np.int64)
+    np.add.at(total, inverse, counts)
+    return unique, summed, total

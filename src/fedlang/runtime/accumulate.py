@@ -15,7 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from fedlang.core import intrinsics, structure, types
+from fedlang.core import intrinsics, sparse, sparse_intrinsics, structure, types
 from fedlang.runtime import chunks
 
 
@@ -233,3 +233,89 @@ class Collect(Accumulator):
 
     def result(self) -> Any:
         return self.values
+
+
+class SparseSum(Accumulator):
+    """The sparse family: a dense scatter-add, or a running coalesced union of indices.
+
+    Client entries are merged chunk by chunk; the union's per-index client counts give
+    `federated_sparse_mean`. Memory is the result's size, never the cohort's.
+    """
+
+    def __init__(self, member: types.Type, mode: str):
+        self.member, self.mode, self.lib = member, mode, sparse_intrinsics
+        self.leaves = types.tensor_leaves(member)
+        self.partial: list[Any] | None = None
+
+    def add(self, cv: Any, c: int) -> None:
+        clients = chunks.unstack(cv, self.member, c)
+        flat_clients = [_sparse_leaves(v, self.member) for v in clients]
+        parts = []
+        for i, lt in enumerate(self.leaves):
+            sts = [fc[i] for fc in flat_clients]
+            if self.mode == "dense":
+                parts.append(self.lib.dense_sum(lt, sts))  # type: ignore[arg-type]
+            else:
+                parts.append(_union(lt, sts))
+        if self.partial is None:
+            self.partial = parts
+        elif self.mode == "dense":
+            self.partial = [a + b for a, b in zip(self.partial, parts)]
+        else:
+            self.partial = [_merge(a, b) for a, b in zip(self.partial, parts)]
+
+    def result(self) -> Any:
+        out = []
+        for i, lt in enumerate(self.leaves):
+            if self.mode == "dense":
+                out.append(
+                    np.zeros(lt.dense_shape, lt.dtype) if self.partial is None else self.partial[i]
+                )  # type: ignore[attr-defined]
+                continue
+            idx, val, cnt = self.partial[i] if self.partial is not None else _union(lt, [])
+            if self.mode == "mean":
+                val = (val / np.maximum(cnt, 1)).astype(lt.dtype)  # type: ignore[attr-defined]
+            out.append(sparse_tensor(idx, val, lt.dense_shape))  # type: ignore[attr-defined]
+        return _rebuild(out, self.member)
+
+
+def _sparse_leaves(value: Any, t: types.Type) -> list[Any]:
+    if isinstance(t, types.StructType):
+        return [x for v, et in zip(value, t.types) for x in _sparse_leaves(v, et)]
+    return [value]
+
+
+def _rebuild(leaves: list[Any], t: types.Type) -> Any:
+    it = iter(leaves)
+
+    def build(tt: types.Type) -> Any:
+        if isinstance(tt, types.StructType):
+            return tuple(build(x) for x in tt.types)
+        return next(it)
+
+    return build(t)
+
+
+def _union(lt: Any, sts: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rank = len(lt.dense_shape)
+    parts = [sparse.coalesce(st.indices, np.asarray(st.values, lt.dtype)) for st in sts]
+    if not parts:
+        return np.zeros((0, rank), np.int64), np.zeros(0, lt.dtype), np.zeros(0, np.int64)
+    return sparse.coalesce(
+        np.concatenate([p[0] for p in parts]).reshape(-1, rank),
+        np.concatenate([p[1] for p in parts]),
+        np.concatenate([np.ones(len(p[1]), np.int64) for p in parts]),
+    )
+
+
+def _merge(a: tuple, b: tuple) -> tuple:
+    rank = a[0].shape[1] if a[0].ndim == 2 else b[0].shape[1]
+    return sparse.coalesce(
+        np.concatenate([a[0], b[0]]).reshape(-1, rank),
+        np.concatenate([a[1], b[1]]),
+        np.concatenate([a[2], b[2]]),
+    )
+
+
+def sparse_tensor(indices: Any, values: Any, dense_shape: Any) -> Any:
+    return sparse.SparseTensor(indices, values, dense_shape)

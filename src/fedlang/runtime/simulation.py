@@ -172,6 +172,8 @@ class Run:
                 lazy.force(report),
                 self.call_now,
             )
+        if uri in _SPARSE:
+            return lambda: accumulate.SparseSum(t.member, _SPARSE[uri])
         if uri in ("federated_secure_modular_sum", "federated_secure_sum_bitwidth"):
             member = t.types[0].member
             bounds = intrinsics._per_leaf_bounds(lazy.force(arg[1]), t.types[1], member)
@@ -293,6 +295,12 @@ class _Eager:
     def call(self, fn: Any, arg: Any) -> Any:
         return self.run.call_now(fn, arg)
 
+
+_SPARSE = {
+    "federated_sparse_sum": "dense",
+    "federated_sparse_sum_keep_sparse": "sum",
+    "federated_sparse_mean": "mean",
+}
 
 _TWO_PART = {"federated_aggregate", "federated_secure_modular_sum", "federated_secure_sum_bitwidth"}
 
