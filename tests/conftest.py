@@ -19,6 +19,9 @@ RUNTIMES = {
     "simulation-chunk2-loop": lambda num_clients=None: SimulationContext(
         chunk_size=2, strategy="loop", num_clients=num_clients, prefetch=False
     ),
+    "simulation-vmap": lambda num_clients=None: SimulationContext(
+        chunk_size=5, strategy="vmap", vmap_width=2, num_clients=num_clients
+    ),
 }
 
 

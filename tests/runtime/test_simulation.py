@@ -70,7 +70,7 @@ def assert_close(a, b):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["loop", "scan", "auto"])
+@pytest.mark.parametrize("strategy", ["loop", "scan", "vmap", "auto"])
 @pytest.mark.parametrize("chunk_size", [1, 3, None])
 def test_fedavg_round_matches_the_reference(strategy, chunk_size):
     clients = make_clients(11)

@@ -28,15 +28,17 @@ def simulation(
     strategy: str = "auto",
     num_clients: int | None = None,
     prefetch: bool = True,
+    vmap_width: int = 16,
 ) -> Iterator[SimulationContext]:
     """Runs computations called in the body on the simulation runtime.
 
     Args:
       chunk_size: clients evaluated together; memory grows with it, not with the cohort.
       memory_budget: bytes of client data staged per chunk; larger clients stream.
-      strategy: 'auto', 'loop' or 'scan' (how client datasets are reduced).
+      strategy: 'auto', 'loop', 'scan' or 'vmap' (how client datasets are reduced).
       num_clients: the cohort size when no CLIENTS-placed argument says.
       prefetch: stage the next chunk's data on a background thread.
+      vmap_width: clients vectorized together by the 'vmap' strategy.
 
     Example:
       >>> import numpy as np, fedlang as fl
@@ -47,7 +49,9 @@ def simulation(
       ...   print(mean([1.0, 2.0, 3.0]))
       2.0
     """
-    ctx = SimulationContext(Options(chunk_size, memory_budget, strategy, num_clients, prefetch))
+    ctx = SimulationContext(
+        Options(chunk_size, memory_budget, strategy, num_clients, prefetch, vmap_width)
+    )
     with _context.with_context(ctx):
         yield ctx  # type: ignore[misc]
 

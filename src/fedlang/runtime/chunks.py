@@ -112,3 +112,14 @@ def leaves_with_axes(cv: Any, t: types.Type) -> tuple[list[Any], list[int | None
 
 class Ragged(TypeError):
     """A chunk holds per-client values that cannot be stacked into one array."""
+
+
+def take(cv: Any, t: types.Type, index: list[int]) -> Any:
+    """The clients at `index` (in that order) of a chunk value."""
+    if isinstance(cv, Rep):
+        return cv
+    if isinstance(t, types.StructType):
+        return tuple(take(x, et, index) for x, et in zip(cv, t.types))
+    if isinstance(cv, list):
+        return [cv[i] for i in index]
+    return cv[np.asarray(index, dtype=np.int64)]

@@ -38,9 +38,11 @@ class Options:
       memory_budget: bytes of client data staged per chunk (and per window of one
         client's batches); a client larger than this is streamed.
       strategy: how local computations reduce client datasets: 'auto' (measure and
-        pick), 'loop' (host loop of jitted steps) or 'scan' (lax.scan over segments).
+        pick), 'loop' (host loop of jitted steps), 'scan' (lax.scan over segments) or
+        'vmap' (clients vectorized, `vmap_width` at a time; see `vmap_exec`).
       num_clients: the cohort size when no CLIENTS-placed argument says.
       prefetch: stage the next chunk's client data on a background thread.
+      vmap_width: clients per vectorized group with the 'vmap' strategy.
     """
 
     chunk_size: int | None = None
@@ -48,6 +50,7 @@ class Options:
     strategy: str = "auto"
     num_clients: int | None = None
     prefetch: bool = True
+    vmap_width: int = 16
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and self.chunk_size < 1:
@@ -393,7 +396,9 @@ class SimulationContext:
 
     def __init__(self, options: Options | None = None, **kwargs: Any):
         self.options = options or Options(**kwargs)
-        self.runner = local_exec.LocalRunner(self.options.strategy, self.options.memory_budget)
+        self.runner = local_exec.LocalRunner(
+            self.options.strategy, self.options.memory_budget, vmap_width=self.options.vmap_width
+        )
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fedlang-stage")
         self.last_run: Run | None = None
 
