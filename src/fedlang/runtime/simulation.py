@@ -67,6 +67,14 @@ class Options:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class RunStats:
+    """What the last invocation did: passes over the cohort, and its size."""
+
+    waves: int
+    num_clients: int | None
+
+
 class AggThunk(lazy.Thunk):
     """An aggregation of a CLIENTS value, computed in a wave with its peers."""
 
@@ -400,7 +408,7 @@ class SimulationContext:
             self.options.strategy, self.options.memory_budget, vmap_width=self.options.vmap_width
         )
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fedlang-stage")
-        self.last_run: Run | None = None
+        self.last_run: RunStats | None = None
 
     def chunk_size_for(self, wave: list[AggThunk]) -> int:
         """Clients per chunk: as set, or what fits the memory budget (8 to 256).
@@ -424,8 +432,9 @@ class SimulationContext:
         fn = run.ref.eval(node, {}) if isinstance(node, ir.Lambda) else node.computation  # type: ignore[attr-defined]
         result = run.call(fn, internal)
         result = run.collect(result, t.result)
-        self.last_run = run
-        return reference.to_python(_force_collected_deep(result), t.result)
+        out = reference.to_python(_force_collected_deep(result), t.result)
+        self.last_run = RunStats(waves=run.waves, num_clients=run._n)  # not the run: it holds the data
+        return out
 
 
 def _force_collected_deep(value: Any) -> Any:
