@@ -157,8 +157,58 @@ class Stream:
         self.path = path
 
     def __iter__(self) -> Iterator[Any]:
+        fast = _fast_converter(self.element_type)
         for i, element in enumerate(self.source):
-            yield to_internal(element, self.element_type, f"{self.path}<element {i}>")
+            out = fast(element) if fast is not None else _MISS
+            if out is _MISS:  # not the common case: the full check, with a precise error
+                out = to_internal(element, self.element_type, f"{self.path}<element {i}>")
+            yield out
+
+
+_MISS = object()
+_CONVERTERS: dict[types.Type, Any] = {}
+
+
+def _fast_converter(t: types.Type) -> Any:
+    """A converter for elements that already have exactly the right form (NumPy arrays
+    of the right dtype in dicts with the right keys), returning `_MISS` otherwise; None
+    when `t` has no such fast form. Built once per type: it runs for every batch."""
+    if t not in _CONVERTERS:
+        _CONVERTERS[t] = _build_fast(t)
+    return _CONVERTERS[t]
+
+
+def _build_fast(t: types.Type) -> Any:
+    if isinstance(t, types.TensorType):
+        dtype, shape = t.dtype, t.shape
+        rank = len(shape)
+
+        def tensor(v: Any) -> Any:
+            ok = type(v) is np.ndarray and v.dtype == dtype and v.ndim == rank
+            if ok and all(d is None or d == s for d, s in zip(shape, v.shape)):
+                return v
+            return _MISS
+
+        return tensor
+    if isinstance(t, types.StructType) and len(t) and all(n is not None for n in t.names):
+        fields = [(n, _build_fast(et)) for n, et in t.elements]
+        if any(f is None for _, f in fields):
+            return None
+        n_fields = len(fields)
+
+        def struct(v: Any) -> Any:
+            if type(v) is not dict or len(v) != n_fields:
+                return _MISS
+            out = []
+            for name, convert in fields:
+                x = v.get(name, _MISS)
+                if x is _MISS or (x := convert(x)) is _MISS:
+                    return _MISS
+                out.append(x)
+            return tuple(out)
+
+        return struct
+    return None
 
 
 def to_python(value: Any, t: types.Type) -> Any:

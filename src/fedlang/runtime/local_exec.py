@@ -127,7 +127,10 @@ class LocalRunner:
                 leaves = [jax.device_put(x, device) for x in leaves]
             stream = args[comp.seq_index]  # type: ignore[index]
             out = self.run_client(comp, leaves, stream)
-            return structure.unflatten([np.asarray(x) for x in out], result_t)
+            if device is not None:  # results on several devices meet on the host
+                out = [np.asarray(x) for x in out]
+            # On one device results stay device arrays: no wait per client, one stack per chunk.
+            return structure.unflatten(out, result_t)
 
         if len(self.devices) == 1 or c < 2:
             return chunks.stack([client(i) for i in range(c)], result_t)

@@ -420,7 +420,12 @@ class SimulationContext:
         if self.options.chunk_size is not None:
             return self.options.chunk_size
         per_client = sum(_type_bytes(node.member) for a in wave for node in _graph(a.input))
-        return int(np.clip(self.options.memory_budget // max(2 * per_client, 1), 8, 256))
+        size = int(np.clip(self.options.memory_budget // max(2 * per_client, 1), 8, 256))
+        if any(_has_sequence(s.member) for s in _clients_sources(wave)):
+            # Client datasets are staged a chunk ahead; their sizes are unknown until read,
+            # so keep chunks small enough that staging overlaps compute and memory stays flat.
+            size = min(size, 32)
+        return size
 
     def invoke(self, comp: computation.Computation, arg: Any) -> Any:
         t = comp.type_signature
@@ -433,7 +438,9 @@ class SimulationContext:
         result = run.call(fn, internal)
         result = run.collect(result, t.result)
         out = reference.to_python(_force_collected_deep(result), t.result)
-        self.last_run = RunStats(waves=run.waves, num_clients=run._n)  # not the run: it holds the data
+        self.last_run = RunStats(
+            waves=run.waves, num_clients=run._n
+        )  # not the run: it holds the data
         return out
 
 
