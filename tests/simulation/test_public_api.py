@@ -9,14 +9,15 @@ PUBLIC = {
     "AvailabilitySampler", "ClientData", "Dataset", "StoreError", "StringSpec", "UniformSampler",
     "UnknownClientError", "WeightedSampler", "datasets", "formats", "from_csv", "from_directory",
     "from_leaf", "from_numpy", "from_pandas", "from_sqlite", "partitioners", "sampling", "store",
-    "train_test_client_split",
+    "train_test_client_split", "CheckpointError", "CheckpointMismatchError", "TrainingResult",
+    "checkpoint", "derive_seed", "inspection", "plots", "run_training", "writers",
 }
 
 
 def test_public_names_and_nothing_else():
     exported = {n for n in dir(sim) if not n.startswith("_")}
     # Submodules imported to build the API are attributes too; they are not public.
-    internal = {"client_data", "dataset", "specs"}
+    internal = {"client_data", "dataset", "specs", "driver"}
     assert exported - internal == PUBLIC
     for name in PUBLIC:
         assert getattr(sim, name) is not None

@@ -1,15 +1,25 @@
-"""Client data for simulation: lazy datasets, an on-disk store, readers, partitioners
-and client samplers. See docs/data.md."""
+"""Client data for simulation: lazy datasets, an on-disk store, readers, partitioners,
+client samplers, and the experiment driver with its metrics writers and checkpoints.
+See docs/data.md."""
 
+from fedlang.simulation import checkpoint as checkpoint
 from fedlang.simulation import datasets as datasets
 from fedlang.simulation import formats as formats
+from fedlang.simulation import inspection as inspection
 from fedlang.simulation import partitioners as partitioners
+from fedlang.simulation import plots as plots
 from fedlang.simulation import sampling as sampling
 from fedlang.simulation import store as store
+from fedlang.simulation import writers as writers
+from fedlang.simulation.checkpoint import CheckpointError as CheckpointError
+from fedlang.simulation.checkpoint import CheckpointMismatchError as CheckpointMismatchError
 from fedlang.simulation.client_data import ClientData as ClientData
 from fedlang.simulation.client_data import UnknownClientError as UnknownClientError
 from fedlang.simulation.client_data import train_test_client_split as train_test_client_split
 from fedlang.simulation.dataset import Dataset as Dataset
+from fedlang.simulation.driver import TrainingResult as TrainingResult
+from fedlang.simulation.driver import derive_seed as derive_seed
+from fedlang.simulation.driver import run_training as run_training
 from fedlang.simulation.formats.arrays import from_numpy as from_numpy
 from fedlang.simulation.formats.directory import from_directory as from_directory
 from fedlang.simulation.formats.leaf import from_leaf as from_leaf
