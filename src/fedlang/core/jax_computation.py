@@ -266,9 +266,15 @@ class JaxComputation(JaxLocal, computation.Computation):
         if result_type is not None:
             declared = types.to_type(result_type)
             if not declared.is_assignable_from(self._result_t):
-                raise TypeError(
-                    f"{self.name} declares the result type {declared}, but its JAX code returns {self._result_t}."
-                )
+                # The code may return the declared dicts with their keys in another order
+                # (jax.tree.map sorts them): trace again, matching fields by name.
+                traced, self._result_t = self._result_t, declared
+                try:
+                    self._trace_types()
+                except TypeError:
+                    raise TypeError(
+                        f"{self.name} declares the result type {declared}, but its JAX code returns {traced}."
+                    ) from None
             self._result_t = declared
         self.type_signature = types.FunctionType(param, self._result_t)  # type: ignore[misc]
         self.__doc__ = fn.__doc__
@@ -474,8 +480,16 @@ def batch_size(batch_leaves: Sequence[Any]) -> int:
 
 
 def full_mask(batch_leaves: Sequence[Any]) -> np.ndarray:
-    """The mask of an unpadded batch: every example is real."""
-    return np.ones(batch_size(batch_leaves), np.float32)
+    """The mask of an unpadded batch: every example is real (shared, read-only arrays)."""
+    n = batch_size(batch_leaves)
+    if n not in _FULL_MASKS:
+        mask = np.ones(n, np.float32)
+        mask.setflags(write=False)
+        _FULL_MASKS[n] = mask
+    return _FULL_MASKS[n]
+
+
+_FULL_MASKS: dict[int, np.ndarray] = {}
 
 
 def _concrete_shape(t: types.TensorType) -> tuple[int, ...]:
