@@ -1,5 +1,10 @@
 """Test configuration shared by the whole suite, and the runtime conformance fixture."""
 
+import os
+
+# Keras must run on JAX; set before anything imports keras.
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
 import jax
 import pytest
 

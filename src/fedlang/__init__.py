@@ -3,6 +3,8 @@
 The public API is exactly what this module re-exports.
 """
 
+from fedlang import aggregators as aggregators
+from fedlang import learning as learning
 from fedlang import runtime as runtime
 from fedlang import templates as templates
 from fedlang.backends import jax as _jax_backend  # noqa: F401 - registers the StableHLO codec

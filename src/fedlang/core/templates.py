@@ -76,8 +76,7 @@ class MeasuredProcessOutput(NamedTuple):
 def _next_result_fields(next_fn: computation.Computation) -> types.StructType:
     result = next_fn.type_signature.result
     if not (
-        isinstance(result, types.StructType)
-        and result.names == ("state", "result", "measurements")
+        isinstance(result, types.StructType) and result.names == ("state", "result", "measurements")
     ):
         raise TypeError(
             "Expected next_fn to return <state=...,result=...,measurements=...> (a "
@@ -141,7 +140,9 @@ class AggregationProcess(MeasuredProcess):
         result = _next_result_fields(next_fn)
         for name in ("result", "measurements"):
             if not _at(result[name], types.SERVER):
-                raise TypeError(f"Expected the aggregation's {name} at SERVER, found {result[name]}.")
+                raise TypeError(
+                    f"Expected the aggregation's {name} at SERVER, found {result[name]}."
+                )
         self.value_type = param.types[1].member  # type: ignore[attr-defined]
         self.weight_type = param.types[2].member if n == 3 else None  # type: ignore[attr-defined]
 

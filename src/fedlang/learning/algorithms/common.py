@@ -1,0 +1,84 @@
+"""Shared assembly of the algorithms: the model, its initial weights, and the parts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from fedlang import aggregators
+from fedlang.core import computation
+from fedlang.core import jax_computation as jax_backend
+from fedlang.learning import composers, distributors, finalizers, templates
+from fedlang.learning.models import model as model_lib
+
+
+def make_model(model_fn: Callable[[], model_lib.Model]) -> model_lib.Model:
+    """Calls `model_fn()` and checks it returns a fedlang model.
+
+    Raises:
+      TypeError: when `model_fn` is not a no-argument function returning a `Model`.
+    """
+    if isinstance(model_fn, model_lib.Model) or not callable(model_fn):
+        raise TypeError(
+            "Expected model_fn to be a no-argument function returning a model (e.g. "
+            f"`lambda: models.from_keras_model(...)`), found {type(model_fn).__name__}."
+        )
+    model = model_fn()
+    if not isinstance(model, model_lib.Model):
+        raise TypeError(
+            "Expected model_fn() to return a fedlang.learning.models.Model (FunctionalModel, "
+            f"from_keras_model, from_flax), found {type(model).__name__}."
+        )
+    return model
+
+
+def initial_weights_fn(model: model_lib.Model, seed: int = 0) -> computation.Computation:
+    """A computation `( -> ModelWeights)` initializing the model from `seed`."""
+
+    @jax_backend.jax_computation()
+    def initial_model_weights():
+        return model.initial_weights(jax.random.key(seed))
+
+    return initial_model_weights
+
+
+def build_process(
+    model: model_lib.Model,
+    client_work: templates.ClientWorkProcess,
+    server_optimizer: Any,
+    model_distributor: templates.DistributionProcess | None,
+    model_aggregator: Any,
+    default_aggregator: Any,
+    seed: int = 0,
+    update_type: Any = None,
+) -> templates.LearningProcess:
+    """The four parts around `client_work`, composed.
+
+    Raises:
+      TypeError: when `model_aggregator` is not an aggregation factory.
+    """
+    init_fn = initial_weights_fn(model, seed)
+    weights_t = init_fn.type_signature.result
+    update_t = update_type or weights_t["trainable"]  # type: ignore[index]
+    factory = default_aggregator if model_aggregator is None else model_aggregator
+    if isinstance(factory, aggregators.WeightedAggregationFactory):
+        aggregator = factory.create(update_t, client_work_weight_type())
+    elif isinstance(factory, aggregators.UnweightedAggregationFactory):
+        aggregator = factory.create(update_t)
+    else:
+        raise TypeError(
+            "Expected model_aggregator to be an aggregation factory (e.g. "
+            f"fedlang.aggregators.MeanFactory()), found {type(factory).__name__}."
+        )
+    distributor = model_distributor or distributors.build_broadcast_process(weights_t)
+    finalizer = finalizers.build_apply_optimizer_finalizer(server_optimizer, weights_t)
+    return composers.compose_learning_process(init_fn, distributor, client_work, aggregator, finalizer)
+
+
+def client_work_weight_type() -> Any:
+    """The type of `ClientResult.update_weight`."""
+    import numpy as np
+
+    return np.float32

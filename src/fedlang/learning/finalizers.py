@@ -1,0 +1,94 @@
+"""Finalizers: how the server applies the aggregated update to its model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedlang.core import jax_computation as jax_backend
+from fedlang.core import operators, structure, tracing, types
+from fedlang.core import templates as core_templates
+from fedlang.learning import optimizers, templates
+from fedlang.learning.client_works import tree_is_finite
+from fedlang.learning.models import model as model_lib
+
+
+def build_apply_optimizer_finalizer(
+    server_optimizer: Any, weights_type: Any
+) -> templates.FinalizerProcess:
+    """Applies the aggregated update with an Optax server optimizer.
+
+    The update points like a gradient (initial minus trained weights), so
+    `optax.sgd(1.0)` moves the model to the clients' average, and `optax.adam`,
+    `optax.yogi`, `optax.adagrad` give FedAdam, FedYogi and FedAdagrad. A non-finite
+    aggregate (every client excluded) leaves the model and optimizer state unchanged.
+
+    Args:
+      server_optimizer: an Optax transformation, or `round_num -> transformation`.
+      weights_type: the local type of the `ModelWeights`.
+
+    Returns:
+      A `FinalizerProcess` with state `{'round_num', 'optimizer_state'}`; its hparams
+      are the optimizer's injected hyperparameters (`optax.inject_hyperparams`).
+    """
+    optimizer_fn = optimizers.as_optimizer_fn(server_optimizer, "server_optimizer")
+    weights_t = types.to_type(weights_type)
+    trainable_t = weights_t["trainable"]
+    zeros = structure.to_container(
+        structure.unflatten(
+            [np.zeros(lt.shape, lt.dtype) for lt in structure.leaf_types(trainable_t)], trainable_t
+        ),
+        trainable_t,
+    )
+    initial_state = {
+        "round_num": np.int32(0),
+        "optimizer_state": jax.tree.map(np.asarray, optimizer_fn(jnp.int32(0)).init(zeros)),
+    }
+    state_t = types.to_type(initial_state)
+
+    @jax_backend.jax_computation()
+    def initial_state_fn():
+        return initial_state
+
+    @jax_backend.jax_computation(state_t, weights_t, trainable_t, result_type=(state_t, weights_t))
+    def apply_update(state, weights, update):
+        opt = optimizer_fn(state["round_num"])
+        updates, opt_state = opt.update(update, state["optimizer_state"], weights.trainable)
+        trainable = optax.apply_updates(weights.trainable, updates)
+        ok = tree_is_finite(update)
+        trainable, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(ok, new, old),
+            (trainable, opt_state),
+            (weights.trainable, state["optimizer_state"]),
+        )
+        new_state = {"round_num": state["round_num"] + 1, "optimizer_state": opt_state}
+        return new_state, model_lib.ModelWeights(trainable, weights.non_trainable)
+
+    @tracing.federated_computation()
+    def initialize():
+        return operators.federated_eval(initial_state_fn, types.SERVER)
+
+    @tracing.federated_computation(
+        types.type_at_server(state_t), types.type_at_server(weights_t), types.type_at_server(trainable_t)
+    )
+    def next_fn(state, weights, update):
+        out = operators.federated_map(apply_update, (state, weights, update))
+        return core_templates.MeasuredProcessOutput(
+            out[0], out[1], operators.federated_value({}, types.SERVER)
+        )
+
+    def get_hparams(state: Any) -> dict[str, Any]:
+        return optimizers.injected_hparams(state["optimizer_state"])
+
+    def set_hparams(state: Any, hparams: Any) -> Any:
+        opt_state = state["optimizer_state"]
+        new = optimizers.check_hparams(optimizers.injected_hparams(opt_state), hparams, "server")
+        if not new:
+            return state
+        return {**state, "optimizer_state": opt_state._replace(hyperparams=new)}
+
+    return templates.FinalizerProcess(initialize, next_fn, get_hparams, set_hparams)

@@ -1,0 +1,42 @@
+"""Models: functional (`init`, `apply`, `loss`, metrics, `input_spec`) and adapters.
+
+`from_keras_model` needs `pip install 'fedlang[keras]'` (Keras 3, JAX backend) and
+`from_flax` needs `pip install 'fedlang[flax]'`; both are imported only when called.
+"""
+
+from typing import Any
+
+from fedlang.learning.metrics import Accuracy as Accuracy
+from fedlang.learning.metrics import MeanMetric as MeanMetric
+from fedlang.learning.metrics import Metric as Metric
+from fedlang.learning.models.model import FunctionalModel as FunctionalModel
+from fedlang.learning.models.model import Model as Model
+from fedlang.learning.models.model import ModelWeights as ModelWeights
+
+
+def from_keras_model(keras_model: Any, loss: Any, input_spec: Any, metrics: Any = None) -> Model:
+    """A fedlang model from a built Keras 3 model (see `keras_model.from_keras_model`)."""
+    from fedlang.learning.models import keras_model as _keras
+
+    return _keras.from_keras_model(keras_model, loss, input_spec, metrics)
+
+
+def weights_from_keras_model(keras_model: Any) -> ModelWeights:
+    """A Keras model's current weights as `ModelWeights` (e.g. pretrained weights)."""
+    from fedlang.learning.models import keras_model as _keras
+
+    return _keras.weights_from_keras_model(keras_model)
+
+
+def assign_weights_to_keras_model(weights: Any, keras_model: Any) -> None:
+    """Copies `ModelWeights` (e.g. `process.get_model_weights(state)`) into a Keras model."""
+    from fedlang.learning.models import keras_model as _keras
+
+    _keras.assign_weights_to_keras_model(weights, keras_model)
+
+
+def from_flax(module: Any, loss_fn: Any, input_spec: Any, metrics: Any = (), **kwargs: Any) -> Model:
+    """A fedlang model from a Flax Linen module (see `flax_model.from_flax`)."""
+    from fedlang.learning.models import flax_model as _flax
+
+    return _flax.from_flax(module, loss_fn, input_spec, metrics, **kwargs)

@@ -1,0 +1,206 @@
+"""Functional models: `init`, `apply`, `loss`, metrics and an `input_spec`.
+
+A model is a value, not a container of variables: its weights are a `ModelWeights`
+pytree passed in and out of pure functions, so the same model trains on a client, is
+averaged on the server and is evaluated centrally without copies or mutation.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedlang.core import types
+from fedlang.learning import metrics as metrics_lib
+
+
+class ModelWeights(NamedTuple):
+    """A model's weights: `trainable` (changed by the optimizer) and `non_trainable`.
+
+    Non-trainable weights are what the model updates itself (BatchNorm statistics,
+    random-number states); either part may be any pytree, `()` when empty.
+    """
+
+    trainable: Any
+    non_trainable: Any = ()
+
+
+def batch_fields(batch: Any) -> tuple[Any, Any, Any]:
+    """`(x, y, mask)` of a batch (a dict or namedtuple with fields `x`, `y`, optional `mask`).
+
+    The mask is float32 with one 0/1 entry per example, or None when absent; with it,
+    runtimes may pad batches and mask the padding out.
+
+    Raises:
+      TypeError: when the batch has no `x` or `y` field.
+    """
+    if isinstance(batch, dict):
+        get = batch.get
+    elif types.is_namedtuple(batch):
+        def get(k: str, default: Any = None) -> Any:
+            return getattr(batch, k, default)
+    else:
+        raise TypeError(
+            f"Expected a batch as a dict or namedtuple with fields 'x' and 'y', found {type(batch).__name__}."
+        )
+    x, y, mask = get("x"), get("y"), get("mask")
+    if x is None or y is None:
+        raise TypeError("Expected a batch with fields 'x' and 'y' (as in TFF's tutorials).")
+    return x, y, None if mask is None else jnp.asarray(mask).astype(jnp.float32)
+
+
+def combine_masks(batch_mask: Any, padding_mask: Any) -> Any:
+    """The examples that count: the runtime's padding mask (from `dataset.reduce(...,
+    masked=True)`) times the batch's own `mask` field when it has one."""
+    if batch_mask is None:
+        return padding_mask
+    return batch_mask * padding_mask
+
+
+class Model(abc.ABC):
+    """The interface algorithms use. Subclass it, or build one with `FunctionalModel`,
+    `from_keras_model` or `from_flax`.
+
+    Attributes:
+      input_spec: the fedlang type of one batch, a struct with fields `x` and `y` (and
+        optionally a per-example `mask`).
+      metrics: the `Metric`s reported besides the loss.
+    """
+
+    input_spec: types.Type
+    metrics: tuple[metrics_lib.Metric, ...]
+
+    @abc.abstractmethod
+    def initial_weights(self, rng: Any) -> ModelWeights:
+        """Fresh weights from a JAX PRNG key (pure; called under tracing)."""
+
+    @abc.abstractmethod
+    def apply(self, weights: ModelWeights, x: Any, training: bool) -> tuple[Any, Any]:
+        """`(predictions, new_non_trainable)` for inputs `x` (pure JAX)."""
+
+    @abc.abstractmethod
+    def loss(self, predictions: Any, y: Any, mask: Any = None) -> Any:
+        """The mean loss over the batch, or over the examples where `mask` is 1 (a scalar)."""
+
+    def weights_type(self) -> types.Type:
+        """The fedlang type of `ModelWeights` (computed by tracing, without running)."""
+        shapes = jax.eval_shape(self.initial_weights, jax.random.key(0))
+        return types.to_type(_canonical(shapes))
+
+
+def _canonical(tree: Any) -> Any:
+    """Dicts with sorted keys, as every JAX tree operation returns them."""
+    return jax.tree.map(lambda x: x, tree)
+
+
+def check_input_spec(input_spec: Any) -> types.Type:
+    """Converts an input spec to a batch type and checks it has `x` and `y`.
+
+    Raises:
+      TypeError: when the spec is not a struct with named fields 'x' and 'y'.
+    """
+    t = types.to_type(input_spec)
+    if not isinstance(t, types.StructType) or not {"x", "y"} <= set(t.names):
+        raise TypeError(
+            "Expected input_spec to describe one batch as a struct with fields 'x' and 'y', e.g. "
+            "{'x': (np.float32, [None, 784]), 'y': (np.int32, [None])}; found "
+            f"{t}."
+        )
+    return t
+
+
+class FunctionalModel(Model):
+    """A model from plain JAX functions.
+
+    Args:
+      init_fn: `init_fn(rng) -> params`, a pytree (all trainable) or a `ModelWeights`.
+      apply_fn: `apply_fn(params, x) -> predictions`, where `params` is what `init_fn`
+        returns (a pytree, or `ModelWeights`).
+      loss_fn: `loss_fn(predictions, y) -> scalar`, the mean loss over the batch.
+      input_spec: one batch: a struct with fields `x` and `y` of `fedlang.TensorType`s
+        or anything `fedlang.to_type` accepts (e.g. `jax.ShapeDtypeStruct`s).
+      metrics: `Metric`s, or functions `(predictions, y) -> per-example values`.
+
+    Raises:
+      TypeError: when the input spec has no `x` and `y`, or a metric is not a metric.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from fedlang.learning import models
+      >>> model = models.FunctionalModel(
+      ...     init_fn=lambda rng: {'w': jnp.zeros([3, 2]), 'b': jnp.zeros([2])},
+      ...     apply_fn=lambda p, x: x @ p['w'] + p['b'],
+      ...     loss_fn=lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(
+      ...         logits, y).mean(),
+      ...     input_spec={'x': (np.float32, [None, 3]), 'y': (np.int32, [None])},
+      ...     metrics=[models.Accuracy()])
+      >>> print(model.weights_type())
+      <trainable=<b=float32[2],w=float32[3,2]>,non_trainable=<>>
+    """
+
+    def __init__(
+        self,
+        init_fn: Callable[[Any], Any],
+        apply_fn: Callable[[Any, Any], Any],
+        loss_fn: Callable[[Any, Any], Any],
+        input_spec: Any,
+        metrics: Sequence[Any] | Any = (),
+    ):
+        for name, fn in (("init_fn", init_fn), ("apply_fn", apply_fn), ("loss_fn", loss_fn)):
+            if not callable(fn):
+                raise TypeError(f"Expected {name} to be a function, found {type(fn).__name__}.")
+        self._init_fn, self._apply_fn, self._loss_fn = init_fn, apply_fn, loss_fn
+        self.input_spec = check_input_spec(input_spec)
+        self.metrics = metrics_lib.as_metrics(metrics)
+        self._returns_model_weights: bool | None = None
+
+    def initial_weights(self, rng: Any) -> ModelWeights:
+        params = self._init_fn(rng)
+        self._returns_model_weights = isinstance(params, ModelWeights)
+        if isinstance(params, ModelWeights):
+            return ModelWeights(_canonical(params.trainable), _canonical(params.non_trainable))
+        return ModelWeights(_canonical(params), ())
+
+    def apply(self, weights: ModelWeights, x: Any, training: bool) -> tuple[Any, Any]:
+        del training
+        if self._returns_model_weights is None:
+            self.weights_type()
+        params = weights if self._returns_model_weights else weights.trainable
+        return self._apply_fn(params, x), weights.non_trainable
+
+    def loss(self, predictions: Any, y: Any, mask: Any = None) -> Any:
+        return masked_mean_loss(self._loss_fn, predictions, y, mask)
+
+
+def masked_mean_loss(loss_fn: Callable[[Any, Any], Any], predictions: Any, y: Any, mask: Any) -> Any:
+    """`loss_fn(predictions, y)` (a batch mean) restricted to the examples where `mask` is 1.
+
+    Without a mask this is `loss_fn` itself; with one, the loss is taken per example
+    (`loss_fn` on batches of one) and averaged over the unmasked examples.
+    """
+    if mask is None:
+        return jnp.asarray(loss_fn(predictions, y), jnp.float32)
+    per_example = jax.vmap(
+        lambda p, t: loss_fn(jax.tree.map(lambda a: a[None], p), jax.tree.map(lambda a: a[None], t))
+    )(predictions, y)
+    return jnp.sum(per_example.astype(jnp.float32) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def to_numpy_weights(weights: Any) -> ModelWeights:
+    """Any `(trainable, non_trainable)` pair of pytrees as a `ModelWeights` of NumPy arrays.
+
+    Raises:
+      TypeError: when `weights` has no `trainable` and `non_trainable` parts.
+    """
+    if not (hasattr(weights, "trainable") and hasattr(weights, "non_trainable")):
+        raise TypeError(
+            f"Expected ModelWeights(trainable, non_trainable), found {type(weights).__name__}."
+        )
+    return ModelWeights(
+        jax.tree.map(np.asarray, weights.trainable), jax.tree.map(np.asarray, weights.non_trainable)
+    )

@@ -1,0 +1,128 @@
+"""The learning process and the four parts it is composed of.
+
+A learning algorithm is `LearningProcess`: `initialize() -> state` and
+`next(state, client_data) -> LearningProcessOutput(state, metrics)`, plus Python
+helpers to read and write the model weights and hyperparameters in a state. It is
+composed (see `composers.compose_learning_process`) of four `MeasuredProcess`es, each
+replaceable:
+
+* a distributor (`DistributionProcess`): server weights -> weights at the clients;
+* client work (`ClientWorkProcess`): weights and client data -> `ClientResult`s;
+* a model aggregator (`fedlang.aggregators`): client updates -> one server update;
+* a finalizer (`FinalizerProcess`): server weights and the update -> new weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from fedlang.core import computation, templates
+from fedlang.learning.models import model as model_lib
+
+
+class ClientResult(NamedTuple):
+    """What one client's work produces for aggregation.
+
+    Attributes:
+      update: the model update (for model-delta algorithms, initial minus final
+        trainable weights: it points like a gradient).
+      update_weight: the client's weight in a weighted aggregation (a float32 scalar).
+      non_trainable: the client's final floating non-trainable weights (such as
+        BatchNorm statistics) as a list, averaged with the update weights by the
+        composer; `[]` for models without them.
+    """
+
+    update: Any
+    update_weight: Any
+    non_trainable: Any = ()
+
+
+class LearningAlgorithmState(NamedTuple):
+    """The server state of a composed learning process: one pytree, one checkpoint."""
+
+    global_model_weights: Any
+    distributor: Any
+    client_work: Any
+    aggregator: Any
+    finalizer: Any
+
+
+class LearningProcessOutput(NamedTuple):
+    """`process.next(...)` returns the new state and this round's metrics (a nested dict)."""
+
+    state: Any
+    metrics: Any
+
+
+def _no_hparams(state: Any) -> dict[str, Any]:
+    del state
+    return {}
+
+
+def _set_no_hparams(state: Any, hparams: Any) -> Any:
+    del hparams
+    return state
+
+
+class _PartProcess(templates.MeasuredProcess):
+    """A measured process with optional `get_hparams(state)` / `set_hparams(state, h)`."""
+
+    def __init__(
+        self,
+        initialize_fn: computation.Computation,
+        next_fn: computation.Computation,
+        get_hparams_fn: Callable[[Any], Any] | None = None,
+        set_hparams_fn: Callable[[Any, Any], Any] | None = None,
+    ):
+        super().__init__(initialize_fn, next_fn)
+        self.get_hparams = get_hparams_fn or _no_hparams
+        self.set_hparams = set_hparams_fn or _set_no_hparams
+
+
+class DistributionProcess(_PartProcess):
+    """`next(state, weights@SERVER) -> MeasuredProcessOutput(state, weights@CLIENTS, m)`."""
+
+
+class ClientWorkProcess(_PartProcess):
+    """`next(state, weights@CLIENTS, data@CLIENTS) -> MeasuredProcessOutput(state,
+    {ClientResult}@CLIENTS, metrics@SERVER)`."""
+
+
+class FinalizerProcess(_PartProcess):
+    """`next(state, weights@SERVER, update@SERVER) -> MeasuredProcessOutput(state,
+    new_weights@SERVER, m)`."""
+
+
+class LearningProcess(templates.IterativeProcess):
+    """An iterative process that trains (or evaluates) a model.
+
+    `initialize()` returns the state (a pytree); `next(state, client_data)` takes one
+    entry per client (any iterable of batches) and returns
+    `LearningProcessOutput(state, metrics)`. The helpers run in Python on a state:
+
+    * `get_model_weights(state) -> ModelWeights`,
+    * `set_model_weights(state, weights) -> state`,
+    * `get_hparams(state) -> dict`, `set_hparams(state, hparams) -> state`.
+    """
+
+    def __init__(
+        self,
+        initialize_fn: computation.Computation,
+        next_fn: computation.Computation,
+        get_model_weights: Callable[[Any], model_lib.ModelWeights],
+        set_model_weights: Callable[[Any, Any], Any],
+        get_hparams: Callable[[Any], Any] = _no_hparams,
+        set_hparams: Callable[[Any, Any], Any] = _set_no_hparams,
+    ):
+        super().__init__(initialize_fn, next_fn)
+        self.get_model_weights = get_model_weights
+        self.set_model_weights = set_model_weights
+        self.get_hparams = get_hparams
+        self.set_hparams = set_hparams
+
+    def __repr__(self) -> str:
+        return (
+            f"LearningProcess(initialize: {self.initialize.type_signature}, "
+            f"next: {self.next.type_signature})"
+        )

@@ -1,0 +1,95 @@
+"""Process helpers: hyperparameters, round-indexed schedules, FedOpt, state as a pytree."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedlang.learning import algorithms, models
+
+SPEC = {"x": (np.float32, [None, 2]), "y": (np.int32, [None])}
+DATA = [[{"x": np.array([[1, 2], [0, 1], [1, 0], [2, 2]], np.float32), "y": np.array([0, 0, 0, 1], np.int32)}]]
+
+
+def model_fn():
+    return models.FunctionalModel(
+        init_fn=lambda rng: {"w": jnp.ones([2, 2]) * 0.1},
+        apply_fn=lambda p, x: x @ p["w"],
+        loss_fn=lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
+        input_spec=SPEC)
+
+
+def test_client_and_server_hparams_are_read_and_written():
+    process = algorithms.build_weighted_fed_avg(
+        model_fn, optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+        optax.inject_hyperparams(optax.sgd)(learning_rate=1.0))
+    state = process.initialize()
+    hp = process.get_hparams(state)
+    assert float(hp["client_work"]["learning_rate"]) == pytest.approx(0.1)
+    assert float(hp["finalizer"]["learning_rate"]) == 1.0
+    state = process.set_hparams(state, {"client_work": {"learning_rate": 0.0}})
+    out = process.next(state, DATA)
+    np.testing.assert_allclose(process.get_model_weights(out.state).trainable["w"], 0.1)
+    with pytest.raises(ValueError, match=r"Unknown client hyperparameters \['lr'\]"):
+        process.set_hparams(state, {"client_work": {"lr": 1.0}})
+
+
+def test_a_client_learning_rate_indexed_by_round():
+    process = algorithms.build_weighted_fed_avg(
+        model_fn, lambda round_num: optax.sgd(jnp.where(round_num == 0, 0.5, 0.0)))
+    state = process.initialize()
+    state, _ = process.next(state, DATA)
+    after_one = process.get_model_weights(state).trainable["w"]
+    assert not np.allclose(after_one, 0.1)
+    state, _ = process.next(state, DATA)
+    np.testing.assert_allclose(process.get_model_weights(state).trainable["w"], after_one)
+    assert int(state.client_work["round_num"]) == 2
+
+
+@pytest.fixture
+def standard_promotion():
+    # Optax's Adam mixes int32 step counts with floats (`b1 ** count`), which the test
+    # suite's strict dtype promotion rejects; users run with JAX's standard promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+@pytest.mark.usefixtures("standard_promotion")
+def test_fed_adam_keeps_adam_state_in_a_checkpointable_pytree():
+    process = algorithms.build_fed_adam(model_fn, optax.sgd(0.1), server_learning_rate=0.01)
+    state, metrics = process.next(process.initialize(), DATA)
+    leaves = jax.tree.leaves(state)
+    assert all(isinstance(x, np.ndarray | np.generic) for x in leaves)
+    assert float(process.get_hparams(state)["finalizer"]["learning_rate"]) == pytest.approx(0.01)
+    assert set(metrics) == {"distributor", "client_work", "aggregator", "finalizer"}
+    restored = jax.tree.unflatten(jax.tree.structure(state), leaves)
+    state2, _ = process.next(restored, DATA)
+    assert int(state2.finalizer["round_num"]) == 2
+
+
+def test_set_model_weights_round_trips():
+    process = algorithms.build_unweighted_fed_avg(model_fn, optax.sgd(0.1))
+    state = process.initialize()
+    new = models.ModelWeights({"w": np.full([2, 2], 3.0, np.float32)}, ())
+    state = process.set_model_weights(state, new)
+    np.testing.assert_allclose(process.get_model_weights(state).trainable["w"], 3.0)
+
+
+def test_masked_batches_ignore_padding():
+    process = algorithms.build_fed_sgd(model_fn, optax.sgd(1.0))
+    padded = {"x": np.concatenate([DATA[0][0]["x"], np.full([2, 2], 9.0, np.float32)]),
+              "y": np.concatenate([DATA[0][0]["y"], np.ones([2], np.int32)]),
+              "mask": np.array([1, 1, 1, 1, 0, 0], np.float32)}
+    spec = dict(SPEC, mask=(np.float32, [None]))
+
+    def masked_model_fn():
+        m = model_fn()
+        return models.FunctionalModel(m._init_fn, m._apply_fn, m._loss_fn, spec)
+
+    masked = algorithms.build_fed_sgd(masked_model_fn, optax.sgd(1.0))
+    a = process.get_model_weights(process.next(process.initialize(), DATA).state)
+    b_state, metrics = masked.next(masked.initialize(), [[padded]])
+    np.testing.assert_allclose(masked.get_model_weights(b_state).trainable["w"], a.trainable["w"],
+                               rtol=1e-6)
+    assert int(metrics["client_work"]["train"]["num_examples"]) == 4
