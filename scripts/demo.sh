@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Sets everything up and runs the main demo.
+# Sets everything up and runs the main demo: FedAvg on scikit-learn's digits split
+# non-IID across clients, with a progress bar, an accuracy table and a plot.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh examples
-.venv/bin/python examples/temperature_sensors.py
-.venv/bin/python examples/fedavg_from_scratch.py
+.venv/bin/fedlang demo "$@"

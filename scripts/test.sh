@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Sets everything up and runs the test suite (slow tests too when FEDLANG_SLOW=1).
+# Sets everything up and runs the whole test suite (FEDLANG_FAST=1 skips tests marked slow).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh dev
-.venv/bin/ruff check src tests examples
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/ruff check src tests examples bench
+if [ "${FEDLANG_FAST:-0}" = "1" ]; then
+  .venv/bin/python -m pytest -q -m "not slow" "$@"
+else
+  .venv/bin/python -m pytest -q "$@"
+fi
