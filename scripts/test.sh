@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh dev
 .venv/bin/ruff check src tests examples bench
+.venv/bin/mypy
 if [ "${FEDLANG_FAST:-0}" = "1" ]; then
   .venv/bin/python -m pytest -q -m "not slow" "$@"
 else

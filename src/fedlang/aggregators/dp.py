@@ -216,7 +216,11 @@ class DifferentiallyPrivateFactory(factory.UnweightedAggregationFactory):
         limited_t = types.to_type({"value": value_t, "hit": np.int32, "report": np.float32})
         seed_key = tools.seed_key(self.seed)
         initial = {
-            "clip": clip.initial_state() if adaptive else np.float32(clip),
+            "clip": (
+                clip.initial_state()
+                if isinstance(clip, quantile.QuantileEstimator)  # i.e. adaptive
+                else np.float32(clip)
+            ),
             "key": seed_key,
             "round": np.int32(0),
         }

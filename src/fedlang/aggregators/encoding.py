@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -90,7 +90,7 @@ class Encoder:
     # -- per-tensor plans ------------------------------------------------------------
 
     def _leaf_kind(self, lt: types.TensorType) -> str:
-        size = int(np.prod(lt.shape))
+        size = int(np.prod(cast("tuple[int, ...]", lt.shape)))
         if self.kind == "identity" or lt.dtype.kind != "f" or size <= self.threshold:
             return "identity"
         return self.kind
@@ -99,7 +99,7 @@ class Encoder:
         return np.uint8 if self.bits <= 8 else np.uint16
 
     def _leaf_message_type(self, lt: types.TensorType) -> types.Type:
-        kind, size = self._leaf_kind(lt), int(np.prod(lt.shape))
+        kind, size = self._leaf_kind(lt), int(np.prod(cast("tuple[int, ...]", lt.shape)))
         if kind == "identity":
             return lt
         if kind == "top_k":
@@ -117,14 +117,14 @@ class Encoder:
 
     def message_type(self, value_type: Any) -> types.Type:
         """The type of one encoded value: a struct with one message per tensor."""
-        leaves = types.tensor_leaves(types.to_type(value_type))
+        leaves = cast("list[types.TensorType]", types.tensor_leaves(types.to_type(value_type)))
         return types.StructType([(None, self._leaf_message_type(lt)) for lt in leaves])
 
     def bits_per_value(self, value_type: Any) -> int:
         """The bits one encoded value of `value_type` takes on the wire."""
         total = 0
-        for lt in types.tensor_leaves(types.to_type(value_type)):
-            kind, size = self._leaf_kind(lt), int(np.prod(lt.shape))
+        for lt in cast("list[types.TensorType]", types.tensor_leaves(types.to_type(value_type))):
+            kind, size = self._leaf_kind(lt), int(np.prod(cast("tuple[int, ...]", lt.shape)))
             if kind == "identity":
                 total += size * lt.dtype.itemsize * 8
             elif kind == "top_k":
@@ -139,7 +139,7 @@ class Encoder:
     def encode(self, value: Any, key: Any, value_type: Any) -> list[Any]:
         """JAX: the message (a list, one entry per tensor) for `value`, random from `key`."""
         out = []
-        leaf_types = types.tensor_leaves(types.to_type(value_type))
+        leaf_types = cast("list[types.TensorType]", types.tensor_leaves(types.to_type(value_type)))
         for i, (x, lt) in enumerate(zip(tools.leaves_of(value, value_type), leaf_types)):
             kind, k_i = self._leaf_kind(lt), jax.random.fold_in(key, i)
             if kind == "identity":
@@ -168,8 +168,10 @@ class Encoder:
     def decode(self, message: list[Any], value_type: Any) -> list[Any]:
         """JAX: the decoded tensor leaves of one message."""
         out = []
-        for msg, lt in zip(message, types.tensor_leaves(types.to_type(value_type))):
-            kind, size = self._leaf_kind(lt), int(np.prod(lt.shape))
+        for msg, lt in zip(
+            message, cast("list[types.TensorType]", types.tensor_leaves(types.to_type(value_type)))
+        ):
+            kind, size = self._leaf_kind(lt), int(np.prod(cast("tuple[int, ...]", lt.shape)))
             if kind == "identity":
                 out.append(msg)
             elif kind == "top_k":
@@ -231,7 +233,10 @@ class EncodedSumFactory(factory.UnweightedAggregationFactory):
     def create(self, value_type: Any) -> templates.AggregationProcess:
         """Returns the encoded sum process for `value_type` (tensors of known shape)."""
         value_t = factory.check_value_type(value_type)
-        if not all(lt.is_fully_defined for lt in types.tensor_leaves(value_t)):
+        if not all(
+            lt.is_fully_defined
+            for lt in cast("list[types.TensorType]", types.tensor_leaves(value_t))
+        ):
             raise TypeError(f"Expected tensors of fully known shape, found {value_t}.")
         enc = self.encoder
         msg_t = enc.message_type(value_t)

@@ -31,7 +31,7 @@ Type signatures (unweighted):
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +97,9 @@ class SecureSumFactory(factory.UnweightedAggregationFactory):
     def create(self, value_type: Any) -> templates.AggregationProcess:
         """Returns the secure sum process for `value_type` (all-float or all-integer)."""
         value_t = factory.check_value_type(value_type, "iuf")
-        kinds = {leaf.dtype.kind for leaf in types.tensor_leaves(value_t)}
+        kinds = {
+            leaf.dtype.kind for leaf in cast("list[types.TensorType]", types.tensor_leaves(value_t))
+        }
         if len(kinds) > 1 or (kinds & {"i", "u"} and self.adaptive):
             raise TypeError(
                 f"Expected all-float values (or all-integer values with fixed bounds), found "

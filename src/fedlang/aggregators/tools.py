@@ -11,7 +11,7 @@ the same round draw the same random numbers, which is harmless for unbiasedness.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -128,7 +128,8 @@ def map_type(fn: Any, t: types.Type) -> types.Type:
 
 def num_elements(value_t: types.Type) -> int:
     """The number of scalars in a local type of fully known shape."""
-    return int(sum(int(np.prod(t.shape)) for t in types.tensor_leaves(value_t)))
+    leaf_types = cast("list[types.TensorType]", types.tensor_leaves(value_t))
+    return int(sum(int(np.prod(cast("tuple[int, ...]", t.shape))) for t in leaf_types))
 
 
 def check_number(name: str, x: Any, low: float = 0.0, strict: bool = False) -> float:

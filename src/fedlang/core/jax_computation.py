@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -100,11 +100,11 @@ class DatasetStandIn:
 
 def _abstract_leaves(
     leaf_types: Sequence[types.TensorType], lead: str, scope_names: list[str]
-) -> list[jax.ShapeDtypeStruct]:
-    """ShapeDtypeStructs for leaves; unknown leading dims share the symbol `lead`."""
+) -> list[tuple[list[int | str], np.dtype]]:
+    """(dims, dtype) per leaf, unknown dims as symbol names; unknown leading dims share `lead`."""
     out = []
     for lt in leaf_types:
-        dims: list[Any] = []
+        dims: list[int | str] = []
         for i, d in enumerate(lt.shape):
             if d is None:
                 name = lead if i == 0 else f"{lead}{len(scope_names)}"
@@ -114,7 +114,7 @@ def _abstract_leaves(
             else:
                 dims.append(d)
         out.append((dims, lt.dtype))
-    return out  # type: ignore[return-value]
+    return out
 
 
 def abstract_args(
@@ -140,7 +140,7 @@ def _check_x64(t: types.Type, what: str) -> None:
             dt is not None
             and dt.itemsize == 8
             and dt.kind in "fiuc"
-            and not jax.config.jax_enable_x64
+            and not jax.config.jax_enable_x64  # type: ignore[attr-defined]  # flags are dynamic attributes
         ):
             if dt.kind in "iu" and isinstance(leaf, types.SparseTensorType):
                 continue
@@ -229,7 +229,7 @@ class JaxComputation(JaxLocal, computation.Computation):
         name: str | None = None,
     ):
         self.fn = fn
-        self.name = name or getattr(fn, "__name__", "jax_computation")
+        self.name = name or cast(str, getattr(fn, "__name__", "jax_computation"))
         self.parameter_names = computation.parameter_names_of(fn)
         param = computation.parameter_type_for(param_types, self.parameter_names, self.name)
         self.param_types = tuple(types.to_type(t) for t in param_types)

@@ -648,8 +648,8 @@ class _IRDecoder:
         if tag == "reference":
             name, t = _get(obj, "name", str, "a reference"), self.ctx.type(obj.get("type"))
             if name not in env or not t.is_assignable_from(env[name]):
-                bound = f"bound to {env[name]}" if name in env else "unbound"
-                raise _fail(f"reference {name!r} of type {t} to be bound", bound)
+                found = f"bound to {env[name]}" if name in env else "unbound"
+                raise _fail(f"reference {name!r} of type {t} to be bound", found)
             return ir.Reference(name, t)
         if tag == "lambda":
             name, pt = obj.get("parameter"), obj.get("parameter_type")

@@ -55,7 +55,7 @@ class SparseTensor:
     def to_dense(self) -> Any:
         """The dense array (NumPy for NumPy inputs, JAX inside traced code)."""
         if isinstance(self.values, np.ndarray) and isinstance(self.indices, np.ndarray):
-            out = np.zeros(self.dense_shape, self.values.dtype)
+            out: Any = np.zeros(self.dense_shape, self.values.dtype)
             np.add.at(out, tuple(self.indices.T), self.values)
             return out
         out = jax.numpy.zeros(self.dense_shape, self.values.dtype)
@@ -66,7 +66,7 @@ def _flatten(st: SparseTensor) -> tuple[tuple[Any, Any], tuple[int, ...]]:
     return (st.indices, st.values), st.dense_shape
 
 
-def _unflatten(dense_shape: tuple[int, ...], children: Any) -> SparseTensor:
+def _unflatten(dense_shape: types.Shape, children: Any) -> SparseTensor:
     # Bypasses __init__: inside JAX transformations the leaves may be tracers or
     # placeholder objects that must not be validated or converted.
     st = object.__new__(SparseTensor)

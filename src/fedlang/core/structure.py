@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -131,7 +131,7 @@ def _match_fields(
             f"Expected a struct of type {t} ({len(t)} fields){_where(path)}, found {len(items)} fields."
         )
     named = {n: v for n, v in items if n is not None}
-    out = []
+    out: list[tuple[str | None, types.Type, Any]] = []
     for i, (n, et) in enumerate(t.elements):
         if n is not None and named:
             if n not in named:
@@ -251,7 +251,7 @@ def build_container(values: list[Any], t: types.StructType) -> Any:
         return cls(*values)
     if spec.kind == "dataclass":
         if spec.cls is not None:
-            return spec.cls(**dict(zip(names, values)))
+            return spec.cls(**dict(zip(cast("tuple[str, ...]", names), values)))
         return _surrogate_namedtuple(spec.name, tuple(n or f"_{i}" for i, n in enumerate(names)))(
             *values
         )

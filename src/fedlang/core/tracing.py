@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -117,6 +117,8 @@ class Value:
     """A symbolic value inside a federated computation being traced."""
 
     __slots__ = ("_ctx", "_node")
+    _ctx: TracingContext
+    _node: ir.Node
 
     def __init__(self, node: ir.Node, ctx: TracingContext):
         object.__setattr__(self, "_node", node)
@@ -330,8 +332,11 @@ class Polymorphic:
         arg_type = None if arg is None else types.to_type(arg)
         if n > 1:
             arg_type = types.StructType(
-                [(name, t) for name, t in zip(self.parameter_names, arg_type)]
-            )  # type: ignore[arg-type]
+                [
+                    (name, t)
+                    for name, t in zip(self.parameter_names, cast(types.StructType, arg_type))
+                ]
+            )
         try:
             concrete = self.concretize_for(arg_type)
         except TypeError as e:
@@ -351,7 +356,7 @@ def trace(
     fn: Callable, param_types: tuple[Any, ...], name: str | None = None
 ) -> computation.IRComputation:
     """Traces `fn` with symbolic arguments of `param_types` into an `IRComputation`."""
-    name = name or getattr(fn, "__name__", "computation")
+    name = name or cast(str, getattr(fn, "__name__", "computation"))
     names = computation.parameter_names_of(fn)
     param = computation.parameter_type_for(param_types, names, name)
     ctx = TracingContext(name)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ def build_apply_optimizer_finalizer(
     """
     optimizer_fn = optimizers.as_optimizer_fn(server_optimizer, "server_optimizer")
     weights_t = types.to_type(weights_type)
-    trainable_t = weights_t["trainable"]
+    trainable_t = cast(types.StructType, weights_t)["trainable"]  # ModelWeights: a struct
     zeros = structure.to_container(
         structure.unflatten(
             [np.zeros(lt.shape, lt.dtype) for lt in structure.leaf_types(trainable_t)], trainable_t

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +75,7 @@ class MeanMetric(Metric):
 
     def __init__(self, fn: Callable[[Any, Any], Any], name: str | None = None):
         self.fn = fn
-        self.name = name or getattr(fn, "__name__", "metric")
+        self.name = name or cast(str, getattr(fn, "__name__", "metric"))
 
     def zero(self) -> Any:
         return {"total": jnp.float32(0), "count": jnp.float32(0)}

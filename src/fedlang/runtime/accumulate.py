@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 import numpy as np
@@ -244,17 +244,18 @@ class SparseSum(Accumulator):
 
     def __init__(self, member: types.Type, mode: str):
         self.member, self.mode, self.lib = member, mode, sparse_intrinsics
-        self.leaves = types.tensor_leaves(member)
+        # the sparse intrinsics' type rules checked that every leaf is sparse
+        self.leaves = cast("list[types.SparseTensorType]", types.tensor_leaves(member))
         self.partial: list[Any] | None = None
 
     def add(self, cv: Any, c: int) -> None:
         clients = chunks.unstack(cv, self.member, c)
         flat_clients = [_sparse_leaves(v, self.member) for v in clients]
-        parts = []
+        parts: list[Any] = []
         for i, lt in enumerate(self.leaves):
             sts = [fc[i] for fc in flat_clients]
             if self.mode == "dense":
-                parts.append(self.lib.dense_sum(lt, sts))  # type: ignore[arg-type]
+                parts.append(self.lib.dense_sum(lt, sts))
             else:
                 parts.append(_union(lt, sts))
         if self.partial is None:
@@ -269,13 +270,15 @@ class SparseSum(Accumulator):
         for i, lt in enumerate(self.leaves):
             if self.mode == "dense":
                 out.append(
-                    np.zeros(lt.dense_shape, lt.dtype) if self.partial is None else self.partial[i]
-                )  # type: ignore[attr-defined]
+                    np.zeros(cast("tuple[int, ...]", lt.dense_shape), lt.dtype)
+                    if self.partial is None
+                    else self.partial[i]
+                )
                 continue
             idx, val, cnt = self.partial[i] if self.partial is not None else _union(lt, [])
             if self.mode == "mean":
-                val = (val / np.maximum(cnt, 1)).astype(lt.dtype)  # type: ignore[attr-defined]
-            out.append(sparse_tensor(idx, val, lt.dense_shape))  # type: ignore[attr-defined]
+                val = (val / np.maximum(cnt, 1)).astype(lt.dtype)
+            out.append(sparse_tensor(idx, val, lt.dense_shape))
         return _rebuild(out, self.member)
 
 
@@ -301,11 +304,12 @@ def _union(lt: Any, sts: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     parts = [sparse.coalesce(st.indices, np.asarray(st.values, lt.dtype)) for st in sts]
     if not parts:
         return np.zeros((0, rank), np.int64), np.zeros(0, lt.dtype), np.zeros(0, np.int64)
-    return sparse.coalesce(
+    merged = sparse.coalesce(
         np.concatenate([p[0] for p in parts]).reshape(-1, rank),
         np.concatenate([p[1] for p in parts]),
         np.concatenate([np.ones(len(p[1]), np.int64) for p in parts]),
     )
+    return cast("tuple[np.ndarray, np.ndarray, np.ndarray]", merged)  # counts given: 3 parts
 
 
 def _merge(a: tuple, b: tuple) -> tuple:

@@ -186,7 +186,7 @@ class LocalRunner:
             return comp._run("epilogue", leaves)
         state = comp._run("prologue", leaves)
         element_t = comp.element_type
-        batches = (_with_mask(structure.flatten(b, element_t)) for b in stream)
+        batches: Iterator[Any] = (_with_mask(structure.flatten(b, element_t)) for b in stream)
         strategy = self.strategy
         if strategy == "auto":
             batches, strategy = self._choose(comp, leaves, state, batches)

@@ -9,8 +9,8 @@ the reference semantics of `fedlang.core.intrinsics.TABLE`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sized
+from typing import Any, cast
 
 from fedlang.core import computation, intrinsics, ir, structure, types
 
@@ -112,7 +112,9 @@ def count_clients(value: Any, t: types.Type | None, path: str, found: dict[str, 
                     f"Expected {_where(path)} of type {t} to be a list with one entry per client, found "
                     f"{types.describe(value)}."
                 )
-            found[path or "the argument"] = len(value) if hasattr(value, "__len__") else -1
+            found[path or "the argument"] = (
+                len(cast(Sized, value)) if hasattr(value, "__len__") else -1
+            )
         return
     if isinstance(t, types.StructType) and types.contains_federated(t):
         for i, (n, et, v) in enumerate(structure._match_fields(value, t, path)):

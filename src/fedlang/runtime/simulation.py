@@ -18,7 +18,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -158,9 +158,12 @@ class Run:
         if make is not None:
             value = arg[0] if uri in _TWO_PART else arg
             if uri == "federated_weighted_mean":
+                arg_t = cast(types.StructType, t)  # <values, weights>, both at CLIENTS
+                values_t = cast(types.FederatedType, arg_t.types[0])
+                weights_t = cast(types.FederatedType, arg_t.types[1])
                 value = lazy.Zipped(
-                    arg, t, types.StructType([t.types[0].member, t.types[1].member])
-                )  # type: ignore[union-attr]
+                    arg, arg_t, types.StructType([values_t.member, weights_t.member])
+                )
             return AggThunk(self, value, make)
         return self._fallback(d, arg, t, result_t)
 
@@ -286,7 +289,7 @@ class Run:
                     pending.result()
                 if k + 1 < len(bounds):
                     pending = pool.submit(
-                        _stage, seq_sources, *bounds[k + 1], self.ctx.options.memory_budget
+                        _stage, seq_sources, *bounds[k + 1], budget
                     )
             cache: dict[int, Any] = {}
             for a, acc in zip(wave, accs):

@@ -72,7 +72,7 @@ def _split_body(
     if not batches:
         return [], []
     shapes = [np.shape(x) for x in batches[0]]
-    body = []
+    body: list[list[Any]] = []
     for k, b in enumerate(batches):
         if [np.shape(x) for x in b] != shapes and comp.masked:
             b = pad_to(b, batches[0])

@@ -37,7 +37,8 @@ def unflatten(template: Any, leaves: list[Any]) -> Any:
 
 def _rebuild(template: Any, it: Any) -> Any:
     if isinstance(template, Mapping):
-        return type(template)((k, _rebuild(v, it)) for k, v in template.items())
+        # a concrete mapping class (dict, OrderedDict, ...), built from (key, value) pairs
+        return type(template)((k, _rebuild(v, it)) for k, v in template.items())  # type: ignore[call-arg]
     if _is_namedtuple(template):
         return type(template)(*(_rebuild(v, it) for v in template))
     if isinstance(template, list | tuple):

@@ -277,7 +277,8 @@ class Checkpoint:
             desc, array = saved[path]
             if _is_key(live):
                 impl = desc["dtype"][4:-1]
-                leaves.append(jax.random.wrap_key_data(array, impl=impl))
+                # the stub says jax.Array; JAX accepts any array-like key data
+                leaves.append(jax.random.wrap_key_data(array, impl=impl))  # type: ignore[arg-type]
             elif isinstance(live, jax.Array):
                 leaves.append(jax.numpy.asarray(array))
             elif isinstance(live, bool | int | float | complex):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -97,7 +97,7 @@ class ClientData:
         """In-memory client data: client id -> structure of arrays (one row per example)."""
         datasets = {cid: dataset_lib.Dataset.from_tensor_slices(arrays) for cid, arrays in data.items()}
         return cls(list(datasets), datasets.__getitem__,
-                   num_examples={c: d.cardinality for c, d in datasets.items()})
+                   num_examples={c: cast(int, d.cardinality) for c, d in datasets.items()})
 
     @classmethod
     def from_store(cls, path: str | os.PathLike) -> ClientData:

@@ -9,7 +9,7 @@ state with the averaged full gradient.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,7 @@ def _mime_client_work(
     full_gradient_aggregator: Any,
 ) -> templates.ClientWorkProcess:
     weights_t = model.weights_type()
-    trainable_t = weights_t["trainable"]
+    trainable_t = cast(types.StructType, weights_t)["trainable"]  # ModelWeights: a struct
     data_t = types.SequenceType(model.input_spec)
     zeros = structure.to_container(
         structure.unflatten(

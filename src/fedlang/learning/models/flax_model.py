@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import numpy as np
@@ -52,7 +52,7 @@ class FlaxModel(model_lib.Model):
         return {} if self._train_arg is None else {self._train_arg: training}
 
     def initial_weights(self, rng: Any) -> model_lib.ModelWeights:
-        x = _sample_input(self.input_spec["x"])
+        x = _sample_input(cast(types.StructType, self.input_spec)["x"])  # see check_input_spec
         variables = dict(self.module.init(rng, x, **self._kwargs(False)))
         params = variables.pop("params", {})
         return model_lib.ModelWeights(

@@ -47,6 +47,7 @@ def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
 def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
     """Yields (field number, wire type, value): ints for varints, bytes otherwise."""
     pos, end = 0, len(buf)
+    value: int | bytes
     while pos < end:
         key, pos = _read_varint(buf, pos)
         number, wire = key >> 3, key & 7
