@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -24,7 +24,8 @@ CLIENTS, SERVER = types.CLIENTS, types.SERVER
 class Runtime(Protocol):
     """What reference semantics need from the runtime executing them."""
 
-    num_clients: int
+    @property
+    def num_clients(self) -> int: ...
 
     def call(self, fn: Any, arg: Any) -> Any:
         """Applies a function value (a local computation or an IR lambda) to an internal arg."""
@@ -309,7 +310,7 @@ def _mean_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
     n = len(arg)
     return _reduce_clients(
         lambda lt, vs: (np.sum(np.stack(vs).astype(np.float64), axis=0) / n).astype(lt.dtype),
-        t.member,
+        cast(types.FederatedType, t).member,
         arg,
         _nan,
     )
@@ -345,7 +346,8 @@ def _weighted_mean_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
         with np.errstate(invalid="ignore", divide="ignore"):
             return (s / total).astype(lt.dtype)  # type: ignore[attr-defined]
 
-    return _reduce_clients(leaf, t.types[0].member, values, _nan)
+    member = cast(types.FederatedType, cast(types.StructType, t).types[0]).member
+    return _reduce_clients(leaf, member, values, _nan)
 
 
 # Type signature: <{T}@CLIENTS,{W}@CLIENTS> -> T@SERVER  (sum(w*x)/sum(w); NaN when sum(w) == 0)
@@ -363,7 +365,7 @@ def _minmax(uri: str, reducer: Callable, identity: Callable) -> tuple[Callable, 
     def impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
         return _reduce_clients(
             lambda lt, vs: reducer(np.stack(vs), axis=0).astype(lt.dtype),
-            t.member,
+            cast(types.FederatedType, t).member,
             arg,
             lambda lt: _map_leaves(
                 lambda x: np.full([d or 0 for d in x.shape], identity(x.dtype), x.dtype), lt
@@ -458,8 +460,32 @@ def _select_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
             raise ValueError(
                 f"federated_select: client {i} asked for key {int(bad[0])}, outside [0, {int(max_key)})."
             )
-        out.append([rt.call(fn, (server_val, np.int32(k))) for k in ks])
+        if getattr(fn, "can_vmap", False) and getattr(fn, "seq_index", 0) is None:
+            out.append(_select_many(fn, server_val, ks))  # same values, one call per client
+        else:
+            out.append([rt.call(fn, (server_val, np.int32(k))) for k in ks])
     return out
+
+
+def _select_many(fn: Any, server_val: Any, keys: np.ndarray) -> list[Any]:
+    """`[fn(server_val, k) for k in keys]` for a JAX computation, as one vmapped call.
+
+    One call per key would move the server value to the device and dispatch once per
+    key (milliseconds each for a large table); a client asking for 1,000 rows of a
+    1,000,000-row table then takes seconds.
+    """
+    import jax  # a JAX computation is being called: JAX is loaded already
+
+    leaves = [jax.numpy.asarray(x) for x in fn.arg_leaves([server_val, np.int32(0)])[:-1]]
+    many = fn.program(
+        ("select_many", len(leaves)),
+        lambda: jax.jit(jax.vmap(fn.trace_fn("fn"), in_axes=(*[None] * len(leaves), 0))),
+    )
+    padded = np.zeros(1 << max(len(keys) - 1, 0).bit_length(), np.int32)  # few compiled sizes
+    padded[: len(keys)] = keys
+    outs = [np.asarray(x) for x in many(*leaves, padded)]
+    result_t = fn.type_signature.result
+    return [structure.unflatten([x[j] for x in outs], result_t) for j in range(len(keys))]
 
 
 # Type signature: <{int32[?]}@CLIENTS,int32@SERVER,T@SERVER,(<T,int32> -> U)> -> {sequence<U>}@CLIENTS
@@ -507,6 +533,7 @@ def _modular_sum(
         for client in flat_clients:
             x = np.mod(np.asarray(client[i]).astype(object), wrap_inputs[i])
             acc = x if acc is None else acc + x
+        assert acc is not None  # zeros without clients, else the first client's value
         acc = np.mod(acc, moduli[i])
         out.append(np.asarray(acc.astype(np.int64)).astype(lt.dtype))
     return structure.unflatten(out, member)
@@ -514,8 +541,9 @@ def _modular_sum(
 
 def _secure_bitwidth_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
     values, bitwidth = arg
-    member = t.types[0].member
-    widths = _per_leaf_bounds(bitwidth, t.types[1], member)
+    arg_t = cast(types.StructType, t)
+    member = cast(types.FederatedType, arg_t.types[0]).member
+    widths = _per_leaf_bounds(bitwidth, arg_t.types[1], member)
     n = max(len(values), 1)
     extra = math.ceil(math.log2(n)) if n > 1 else 0
     return _modular_sum(values, member, [2 ** (b + extra) for b in widths], [2**b for b in widths])
@@ -523,8 +551,9 @@ def _secure_bitwidth_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
 
 def _secure_modular_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
     values, modulus = arg
-    member = t.types[0].member
-    moduli = _per_leaf_bounds(modulus, t.types[1], member)
+    arg_t = cast(types.StructType, t)
+    member = cast(types.FederatedType, arg_t.types[0]).member
+    moduli = _per_leaf_bounds(modulus, arg_t.types[1], member)
     return _modular_sum(values, member, moduli, moduli)
 
 
@@ -589,7 +618,9 @@ def _per_placement(seq_t: types.Type, value: Any, fn: Callable[[Any], Any]) -> A
 
 def _seq_map_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
     fn, seq = arg
-    return _per_placement(t.types[1], seq, lambda s: MappedStream(s, lambda x: rt.call(fn, x)))
+    return _per_placement(
+        cast(types.StructType, t).types[1], seq, lambda s: MappedStream(s, lambda x: rt.call(fn, x))
+    )
 
 
 # Type signature: <(T -> U),sequence<T>> -> sequence<U>  (pointwise on {sequence<T>}@P)
@@ -635,7 +666,8 @@ def reduce_stream(seq: Any, zero: Any, step: Callable[[Any, Any], Any]) -> Any:
 
 def _seq_reduce_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
     seq, zero, op = arg
-    seq_t, zero_t = t.types[0], t.types[1]
+    arg_t = cast(types.StructType, t)
+    seq_t, zero_t = arg_t.types[0], arg_t.types[1]
     if isinstance(seq_t, types.FederatedType) and seq_t.placement is CLIENTS:
         zeros = zero if isinstance(zero_t, types.FederatedType) else [zero] * len(seq)
         return [reduce_stream(s, z, lambda a, x: rt.call(op, (a, x))) for s, z in zip(seq, zeros)]

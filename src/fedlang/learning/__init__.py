@@ -15,6 +15,7 @@ from fedlang.learning import finalizers as finalizers
 from fedlang.learning import metrics as metrics
 from fedlang.learning import models as models
 from fedlang.learning import optimizers as optimizers
+from fedlang.learning import sparse as sparse
 from fedlang.learning import templates as templates
 from fedlang.learning.dp import dp_aggregator as dp_aggregator
 from fedlang.learning.models.model import ModelWeights as ModelWeights
