@@ -525,20 +525,4 @@ def jax_computation(*param_types: Any, result_type: Any = None) -> Any:
       >>> float(add_half(1.0))
       1.5
     """
-    if (
-        len(param_types) == 1
-        and callable(param_types[0])
-        and not isinstance(param_types[0], type | types.Type)
-        and not hasattr(param_types[0], "dtype")
-    ):
-        fn = param_types[0]
-        if computation.parameter_names_of(fn):
-            return tracing.Polymorphic(fn, lambda f, ts: JaxComputation(f, ts))
-        return JaxComputation(fn, ())
-
-    def decorate(fn: Callable) -> Any:
-        if not param_types and computation.parameter_names_of(fn):
-            return tracing.Polymorphic(fn, lambda f, ts: JaxComputation(f, ts, result_type))
-        return JaxComputation(fn, param_types, result_type)
-
-    return decorate
+    return tracing.decorator(param_types, lambda fn, ts: JaxComputation(fn, ts, result_type))

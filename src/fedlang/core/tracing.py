@@ -411,20 +411,27 @@ def federated_computation(*param_types: Any) -> Any:
       >>> str(get_average_temperature.type_signature)
       '({float32}@CLIENTS -> float32@SERVER)'
     """
+    return decorator(param_types, lambda fn, ts: trace(fn, ts))
+
+
+def decorator(param_types: tuple[Any, ...], build: Callable[[Callable, tuple], Any]) -> Any:
+    """The forms shared by the computation decorators.
+
+    `@deco` and `@deco()` on a function with parameters make it polymorphic (built
+    once per argument type); `@deco(T1, T2)` builds it for those types; a function
+    without parameters is built at once. `build(fn, param_types)` makes the computation.
+    """
     if (
         len(param_types) == 1
         and callable(param_types[0])
         and not isinstance(param_types[0], type | types.Type)
         and not hasattr(param_types[0], "dtype")
     ):
-        fn = param_types[0]
-        if computation.parameter_names_of(fn):
-            return Polymorphic(fn, lambda f, ts: trace(f, ts))
-        return trace(fn, ())
+        return decorator((), build)(param_types[0])
 
     def decorate(fn: Callable) -> Any:
         if not param_types and computation.parameter_names_of(fn):
-            return Polymorphic(fn, lambda f, ts: trace(f, ts))
-        return trace(fn, param_types)
+            return Polymorphic(fn, build)
+        return build(fn, param_types)
 
     return decorate

@@ -85,56 +85,41 @@ class AggThunk(lazy.Thunk):
         run.aggregations.append(self)
 
 
-class Run:
-    """One invocation: the interpreter, the client count, and the wave scheduler."""
+class Run(reference.Interpreter):
+    """One invocation: the reference interpreter made lazy, and the wave scheduler.
+
+    It evaluates the IR like the reference interpreter, except that local calls become
+    thunks, CLIENTS values lazy graphs and aggregations `AggThunk`s.
+    """
 
     def __init__(self, ctx: SimulationContext, n: int | None):
+        super().__init__(n)
         self.ctx = ctx
         self._n = n
         self.aggregations: list[AggThunk] = []
-        self.ref = reference.Interpreter(n)
         self.waves = 0
-
-    @property
-    def num_clients(self) -> int:
-        return self.ref.num_clients
 
     # -- evaluation into a lazy graph -------------------------------------------------
 
     def call(self, fn: Any, arg: Any) -> Any:
-        if isinstance(fn, reference._Closure):
-            env = dict(fn.env)
-            if fn.fn.parameter_name is not None:
-                env[fn.fn.parameter_name] = arg
-            return self.eval(fn.fn.result, env)
+        fn = lazy.force(fn)
         if isinstance(fn, reference._IntrinsicFn):
             return self.intrinsic(fn.definition, arg, fn.type_signature)
         if isinstance(fn, ir.LocalComputation):
             return lazy.Thunk(lambda: fn.invoke(lazy.force(arg)), (arg,))
-        raise TypeError(f"Cannot call {fn!r}: it is not a function value.")
+        return super().call(fn, arg)  # a closure: its body is evaluated lazily by `eval`
 
     def call_now(self, fn: Any, arg: Any) -> Any:
         """Calls a local function on concrete values (inside accumulators and maps)."""
         return lazy.force(self.call(fn, arg))
 
     def eval(self, node: ir.Node, env: dict[str, Any]) -> Any:
-        if isinstance(node, ir.Block):
-            env = dict(env)
-            for name, value in node.locals:
-                env[name] = self.eval(value, env)
-            return self.eval(node.result, env)
-        if isinstance(node, ir.Call):
-            fn = self.eval(node.function, env)
-            arg = None if node.argument is None else self.eval(node.argument, env)
-            return self.call(lazy.force(fn), arg)
         if isinstance(node, ir.Selection):
             src = self.eval(node.source, env)
             if isinstance(src, lazy.Thunk):
                 return lazy.Thunk(lambda: lazy.force(src)[node.index], (src,))
             return src[node.index]
-        if isinstance(node, ir.Struct):
-            return tuple(self.eval(v, env) for _, v in node.elements)
-        return self.ref.eval(node, env)
+        return super().eval(node, env)
 
     def intrinsic(self, d: intrinsics.IntrinsicDef, arg: Any, fn_type: types.FunctionType) -> Any:
         uri, t = d.uri, fn_type.parameter
@@ -437,7 +422,7 @@ class SimulationContext:
         run = Run(self, n)
         internal = _as_lazy(internal, t.parameter)
         node = comp.to_ir()
-        fn = run.ref.eval(node, {}) if isinstance(node, ir.Lambda) else node.computation  # type: ignore[attr-defined]
+        fn = run.eval(node, {}) if isinstance(node, ir.Lambda) else node.computation  # type: ignore[attr-defined]
         result = run.call(fn, internal)
         result = run.collect(result, t.result)
         out = reference.to_python(_force_collected_deep(result), t.result)
