@@ -1,6 +1,9 @@
 """Test configuration shared by the whole suite, and the runtime conformance fixture."""
 
+import importlib.util
 import os
+import pathlib
+import types
 
 # Keras must run on JAX; set before anything imports keras.
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -40,3 +43,24 @@ def runtime(request):
         yield make
     finally:
         context.set_default_context(previous)
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def load_script():
+    """Imports a script of the repository (an example, a benchmark) by its path, once."""
+    loaded: dict[str, types.ModuleType] = {}
+
+    def load(relative_path: str) -> types.ModuleType:
+        if relative_path not in loaded:
+            path = ROOT / relative_path
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert spec is not None and spec.loader is not None, f"cannot load {path}"
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            loaded[relative_path] = module
+        return loaded[relative_path]
+
+    return load

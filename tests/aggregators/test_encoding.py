@@ -1,6 +1,3 @@
-import importlib.util
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +12,13 @@ T = {"w": (np.float32, [30, 40]), "b": (np.float32, [5])}
 
 def _vals(n=4):
     rng = np.random.default_rng(0)
-    return [{"w": rng.normal(size=(30, 40)).astype(np.float32),
-             "b": rng.normal(size=5).astype(np.float32)} for _ in range(n)]
+    return [
+        {
+            "w": rng.normal(size=(30, 40)).astype(np.float32),
+            "b": rng.normal(size=5).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
 
 
 def test_quantized_sum_error_and_bits():
@@ -63,26 +65,23 @@ def test_bad_encoder():
         aggregators.EncodedSumFactory("8bit")
 
 
-def _bench():
-    path = pathlib.Path(__file__).parents[2] / "bench" / "aggregators.py"
-    spec = importlib.util.spec_from_file_location("bench_aggregators", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
-def test_8_bit_quantization_saves_3_5x_at_equal_accuracy(request):
+def test_8_bit_quantization_saves_3_5x_at_equal_accuracy(request, load_script):
     if request.node.callspec.params.get("runtime") != "simulation":
         pytest.skip("one runtime (the default simulation) is enough for the end-to-end check")
-    bench = _bench()
+    bench = load_script("bench/aggregators.py")
     results = {}
-    for name, enc in (("raw", aggregators.Encoder.identity()),
-                      ("q8", aggregators.Encoder.quantize(8))):
+    for name, enc in (
+        ("raw", aggregators.Encoder.identity()),
+        ("q8", aggregators.Encoder.quantize(8)),
+    ):
         agg = aggregators.MeanFactory(value_sum_factory=aggregators.EncodedSumFactory(enc, seed=0))
         acc, hist = bench.train(agg, rounds=10, broadcast_encoder=enc)
-        results[name] = (acc, bench._bits(hist[-1], "aggregated_bits"),
-                         bench._bits(hist[-1], "broadcast_bits"))
+        results[name] = (
+            acc,
+            bench._bits(hist[-1], "aggregated_bits"),
+            bench._bits(hist[-1], "broadcast_bits"),
+        )
     assert results["raw"][1] / results["q8"][1] >= 3.5
     assert results["raw"][2] / results["q8"][2] >= 3.5
     assert results["q8"][0] >= results["raw"][0] - 0.01

@@ -1,6 +1,3 @@
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 
@@ -14,8 +11,9 @@ def test_median_trimmed_mean_and_geometric_median_match_numpy():
     vals = [rng.normal(size=(3, 2)).astype(np.float32) for _ in range(7)]
     stacked = np.stack(vals)
     med = aggregators.MedianFactory().create((np.float32, [3, 2]))
-    np.testing.assert_allclose(med.next(med.initialize(), vals).result, np.median(stacked, 0),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        med.next(med.initialize(), vals).result, np.median(stacked, 0), rtol=1e-6
+    )
     tm = aggregators.TrimmedMeanFactory(0.3).create((np.float32, [3, 2]))
     expected = np.sort(stacked, 0)[2:5].mean(0)
     np.testing.assert_allclose(tm.next(tm.initialize(), vals).result, expected, rtol=1e-5)
@@ -33,19 +31,11 @@ def test_bad_trim_fraction():
         aggregators.TrimmedMeanFactory(0.5)
 
 
-def _bench():
-    path = pathlib.Path(__file__).parents[2] / "bench" / "aggregators.py"
-    spec = importlib.util.spec_from_file_location("bench_aggregators", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
-def test_median_and_trimmed_mean_resist_attackers(request):
+def test_median_and_trimmed_mean_resist_attackers(request, load_script):
     if request.node.callspec.params.get("runtime") != "simulation":
         pytest.skip("one runtime (the default simulation) is enough for the end-to-end check")
-    bench = _bench()
+    bench = load_script("bench/aggregators.py")
     clean, _ = bench.train(None, rounds=10)
     attacked, _ = bench.train(None, rounds=10, attackers=0.2)
     assert attacked < 0.5

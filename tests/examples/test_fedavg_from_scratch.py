@@ -1,7 +1,5 @@
 """Runs examples/fedavg_from_scratch.py on small settings and checks that it learns."""
 
-import importlib.util
-import pathlib
 import subprocess
 import sys
 
@@ -10,22 +8,13 @@ import pytest
 
 import fedlang as fl
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "fedavg_from_scratch.py"
-
 MODEL = "<kernel=float32[64,10],bias=float32[10]>"
 BATCHES = "{sequence<<x=float32[?,64],y=int32[?]>>}@CLIENTS"
 
 
-def _load_example():
-    spec = importlib.util.spec_from_file_location("fedavg_from_scratch", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def example():
-    return _load_example()
+def example(load_script):
+    return load_script("examples/fedavg_from_scratch.py")
 
 
 def test_process_type_signatures(example):

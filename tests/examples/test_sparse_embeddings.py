@@ -1,6 +1,5 @@
 """Runs examples/sparse_embeddings.py on small settings."""
 
-import importlib.util
 import pathlib
 
 import pytest
@@ -9,11 +8,8 @@ PATH = pathlib.Path(__file__).resolve().parents[2] / "examples" / "sparse_embedd
 
 
 @pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location("sparse_embeddings", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def example(load_script):
+    return load_script("examples/sparse_embeddings.py")
 
 
 def test_sparse_embeddings_learns_and_uploads_only_rows(example):

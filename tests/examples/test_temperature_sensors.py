@@ -1,24 +1,12 @@
 """Runs examples/temperature_sensors.py and checks what it prints and returns."""
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "temperature_sensors.py"
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("temperature_sensors", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
-def example():
-    return _load_example()
+def example(load_script):
+    return load_script("examples/temperature_sensors.py")
 
 
 def test_main_prints_types_and_results(example, capsys):
