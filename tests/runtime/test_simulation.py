@@ -273,3 +273,15 @@ def test_masked_reduce_pads_ragged_tails_into_one_scan(monkeypatch, comp, runs):
 
     assert on(SimulationContext(strategy="scan"), total, [batches]) == 14.0
     assert seen == runs
+
+
+@pytest.mark.parametrize("one_shot", [False, True])
+def test_auto_tuning_never_loses_batches(one_shot):
+    # 'auto' times strategies on the first clients of a chunk; with one-shot streams it
+    # must not read them twice (the clients would lose the batches read while timing).
+    clients = make_clients(10, seed=3, sizes=(3, 9))
+    expected = sum(len(b["y"]) for c in clients for b in c)
+    data = [iter(c) for c in clients] if one_shot else clients
+    ctx = SimulationContext(strategy="auto", chunk_size=10, prefetch=False)
+    _, _, n = on(ctx, fedavg_round, np.zeros(3, np.float32), data)
+    assert n == expected

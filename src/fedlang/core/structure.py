@@ -156,6 +156,12 @@ class Stream:
         self.element_type = element_type
         self.path = path
 
+    @property
+    def replayable(self) -> bool:
+        """Whether iterating again gives the same elements (a list, or a dataset recipe),
+        unlike a one-shot generator or iterator."""
+        return isinstance(self.source, list | tuple) or hasattr(self.source, "element_spec")
+
     def __iter__(self) -> Iterator[Any]:
         fast = _fast_converter(self.element_type)
         for i, element in enumerate(self.source):

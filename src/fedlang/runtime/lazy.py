@@ -155,12 +155,7 @@ class Zipped(ClientsValue):
         self.member = member
 
     def _chunk(self, start: int, stop: int, cache: dict[int, Any]) -> Any:
-        def build(v: Any, t: types.Type) -> Any:
-            if isinstance(t, types.FederatedType):
-                return v.chunk(start, stop, cache)
-            return tuple(build(x, et) for x, et in zip(v, t.types))  # type: ignore[attr-defined]
-
-        return build(self.parts, self.arg_type)
+        return _zip_chunk(self.parts, self.arg_type, start, stop, cache)
 
     def children(self) -> list[ClientsValue]:
         out: list[ClientsValue] = []
@@ -174,6 +169,14 @@ class Zipped(ClientsValue):
 
         walk(self.parts, self.arg_type)
         return out
+
+
+def _zip_chunk(v: Any, t: types.Type, start: int, stop: int, cache: dict[int, Any]) -> Any:
+    # A module-level function, not a closure: a recursive closure refers to itself and
+    # would keep the chunk's `cache` (its staged client data) alive until a full GC.
+    if isinstance(t, types.FederatedType):
+        return v.chunk(start, stop, cache)
+    return tuple(_zip_chunk(x, et, start, stop, cache) for x, et in zip(v, t.types))  # type: ignore[attr-defined]
 
 
 class FromThunk(ClientsValue):

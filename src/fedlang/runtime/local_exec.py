@@ -159,6 +159,10 @@ class LocalRunner:
             return vmap_exec.map_vmapped(comp, cv, c, self.vmap_width, _pad_to)
         n = min(c, 8)
         probe = chunks.take(cv, comp.type_signature.parameter, list(range(n)))
+        if not all(getattr(s, "replayable", False) for s in _streams(comp, probe, n)):
+            # Timing would consume one-shot streams (clients would lose batches): decide on
+            # a later chunk whose first clients' data can be read twice.
+            return None
         times = {}
         for name, run in (
             ("per-client", lambda: self._map_per_client(comp, probe, n)),
@@ -266,6 +270,12 @@ class LocalRunner:
             start += length
             remaining -= length
         return list(state)
+
+
+def _streams(comp: Any, cv: Any, c: int) -> list[Any]:
+    """The dataset argument of each client of a chunk value."""
+    param_t = comp.type_signature.parameter
+    return [comp.split_arg(chunks.row(cv, param_t, i))[comp.seq_index] for i in range(c)]
 
 
 def _with_mask(batch: list[Any]) -> list[Any]:

@@ -273,9 +273,7 @@ class Run(reference.Interpreter):
                 else:
                     pending.result()
                 if k + 1 < len(bounds):
-                    pending = pool.submit(
-                        _stage, seq_sources, *bounds[k + 1], budget
-                    )
+                    pending = pool.submit(_stage, seq_sources, *bounds[k + 1], budget)
             cache: dict[int, Any] = {}
             for a, acc in zip(wave, accs):
                 acc.add(a.input.chunk(start, stop, cache), stop - start)
@@ -381,7 +379,14 @@ class _StagedStream:
                 break
         else:
             it = iter(())
+            self.complete = True  # every batch is staged: iterating again replays them
         self.rest = it
+
+    complete = False
+
+    @property
+    def replayable(self) -> bool:
+        return self.complete
 
     def __iter__(self) -> Iterator[Any]:
         return itertools.chain(self.batches, self.rest)
