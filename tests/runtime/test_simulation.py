@@ -259,7 +259,9 @@ def test_masked_reduce_pads_ragged_tails_into_one_scan(monkeypatch, comp, runs):
     monkeypatch.setattr(
         local_exec.LocalRunner,
         "_scan_run",
-        staticmethod(lambda c, lv, s, run: seen.append(len(run)) or original(c, lv, s, run)),
+        staticmethod(
+            lambda c, lv, s, run, *rest: seen.append(len(run)) or original(c, lv, s, run, *rest)
+        ),
     )
     batches = [
         {"x": np.zeros((4, 2), np.float32), "y": np.ones(4, np.float32)},

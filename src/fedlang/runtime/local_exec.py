@@ -188,31 +188,30 @@ class LocalRunner:
         """One client's result leaves for a computation that reduces a dataset."""
         if not comp.uses_reduce:
             return comp._run("epilogue", leaves)
-        state = comp._run("prologue", leaves)
         element_t = comp.element_type
         batches: Iterator[Any] = (_with_mask(structure.flatten(b, element_t)) for b in stream)
         strategy = self.strategy
         if strategy == "auto":
-            batches, strategy = self._choose(comp, leaves, state, batches)
-        fold = self._fold_loop if strategy == "loop" else self._fold_scan
-        state = fold(comp, leaves, state, batches)
+            batches, strategy = self._choose(comp, leaves, batches)
+        if strategy == "scan":
+            # The prologue runs inside the first scan program and the epilogue inside the
+            # last: a client costs its segments' dispatches and nothing more.
+            return self._fold_scan(comp, leaves, None, batches, finish=True)
+        state = self._fold_loop(comp, leaves, comp._run("prologue", leaves), batches)
         return comp._run("epilogue", leaves + list(state))
 
-    def _choose(
-        self, comp: Any, leaves: list[Any], state: list[Any], batches: Iterator
-    ) -> tuple[Iterator, str]:
+    def _choose(self, comp: Any, leaves: list[Any], batches: Iterator) -> tuple[Iterator, str]:
         window = list(itertools.islice(batches, 8))
         rest = itertools.chain(window, batches)
         if len(window) < 2:
             return rest, "loop"
         key = (id(comp), tuple(np.shape(x) for x in window[0]))
         with self._lock:
-            return rest, self._choice(key, comp, leaves, state, window)
+            return rest, self._choice(key, comp, leaves, window)
 
-    def _choice(
-        self, key: Any, comp: Any, leaves: list[Any], state: list[Any], window: list[Any]
-    ) -> str:
+    def _choice(self, key: Any, comp: Any, leaves: list[Any], window: list[Any]) -> str:
         if key not in self.choices:
+            state = comp._run("prologue", leaves)
             times = {}
             for name, fold in (("loop", self._fold_loop), ("scan", self._fold_scan)):
                 fold(comp, leaves, state, iter(window))  # compile
@@ -229,8 +228,15 @@ class LocalRunner:
         return list(state)
 
     def _fold_scan(
-        self, comp: Any, leaves: list[Any], state: list[Any], batches: Iterator
+        self,
+        comp: Any,
+        leaves: list[Any],
+        state: list[Any] | None,
+        batches: Iterator,
+        finish: bool = False,
     ) -> list[Any]:
+        """Folds the batches; `state=None` runs the prologue first, `finish` the epilogue
+        last (both fused into the first and last scan programs where there is one)."""
         window_bytes = 0
         run: list[list[Any]] = []
         for b in batches:
@@ -247,29 +253,47 @@ class LocalRunner:
                 state = self._scan_run(comp, leaves, state, run)
                 run, window_bytes = [], 0
         if run:
-            state = self._scan_run(comp, leaves, state, run)
-        return list(state)
+            return self._scan_run(comp, leaves, state, run, finish)
+        if state is None:
+            state = comp._run("prologue", leaves)
+        return list(comp._run("epilogue", leaves + list(state))) if finish else list(state)
 
     @staticmethod
     def _scan_run(
-        comp: Any, leaves: list[Any], state: list[Any], run: list[list[Any]]
+        comp: Any,
+        leaves: list[Any],
+        state: list[Any] | None,
+        run: list[list[Any]],
+        finish: bool = False,
     ) -> list[Any]:
-        """Folds batches of one shape with scans over power-of-two segment lengths."""
+        """Folds batches of one shape with scans over power-of-two segment lengths.
+
+        `state=None`: the first program starts with the prologue; `finish`: the last one
+        ends with the epilogue and the result leaves are returned instead of the state.
+        """
         if len(run) == 1:  # a lone batch (e.g. a ragged tail): one step, no scan to compile
-            return list(comp._run("step", leaves + list(state) + run[0]))
-        n_args, n_state = len(leaves), len(state)
+            if state is None:
+                state = comp._run("prologue", leaves)
+            state = list(comp._run("step", leaves + list(state) + run[0]))
+            return list(comp._run("epilogue", leaves + state)) if finish else state
+        n_args = len(leaves)
+        n_state = len(structure.leaf_types(comp.state_type))
         stacked = [np.stack([np.asarray(b[j]) for b in run]) for j in range(len(run[0]))]
-        prog = comp.program(
-            "scan", lambda: jax.jit(_scan_program(comp.trace_fn("step"), n_args, n_state))
-        )
         start, remaining = 0, len(run)
+        out: list[Any] = []
         while remaining:
             length = 1 << (remaining.bit_length() - 1)
+            first, last = state is None, finish and length == remaining
+            prog = comp.program(
+                ("scan", first, last),
+                lambda f=first, e=last: jax.jit(_scan_program(comp, n_args, n_state, f, e)),
+            )
             segment = [x[start : start + length] for x in stacked]
-            state = prog(*leaves, *state, *segment)
+            out = list(prog(*leaves, *([] if state is None else state), *segment))
             start += length
             remaining -= length
-        return list(state)
+            state = out
+        return out
 
 
 def _streams(comp: Any, cv: Any, c: int) -> list[Any]:
@@ -297,19 +321,27 @@ def _pad_to(batch: list[Any], like: list[Any]) -> list[Any]:
     ]
 
 
-def _scan_program(step: Any, n_args: int, n_state: int) -> Any:
+def _scan_program(
+    comp: Any, n_args: int, n_state: int, prologue: bool = False, epilogue: bool = False
+) -> Any:
+    """`scan` of the step over stacked batches, optionally starting with the prologue
+    (no state argument) and ending with the epilogue (returns the result leaves)."""
+    step = comp.trace_fn("step")
+    start_fn = comp.trace_fn("prologue") if prologue else None
+    end_fn = comp.trace_fn("epilogue") if epilogue else None
+
     def program(*flat: Any) -> list[Any]:
-        args, state, stacked = (
-            flat[:n_args],
-            flat[n_args : n_args + n_state],
-            flat[n_args + n_state :],
-        )
+        args = flat[:n_args]
+        if start_fn is not None:
+            state, stacked = list(start_fn(*args)), flat[n_args:]
+        else:
+            state, stacked = list(flat[n_args : n_args + n_state]), flat[n_args + n_state :]
 
         def body(carry: Any, batch: Any) -> tuple[Any, None]:
             return list(step(*args, *carry, *batch)), None
 
-        final, _ = lax.scan(body, list(state), list(stacked))
-        return final
+        final, _ = lax.scan(body, state, list(stacked))
+        return list(end_fn(*args, *final)) if end_fn is not None else final
 
     return program
 
