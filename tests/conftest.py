@@ -16,6 +16,10 @@ from fedlang.runtime import ReferenceContext, SimulationContext
 
 # Implicit dtype promotion hides bugs (float32 * float64 -> float64 silently): forbid it.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+# Float32 matrix products in full precision on every device (GPUs may use TF32 by
+# default), so runtimes that order their arithmetic differently (a vmap, a loop)
+# agree within the tests' tolerances on a GPU as on a CPU.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 # Every runtime runs the same conformance tests and is compared with the reference.
 RUNTIMES = {
@@ -31,6 +35,18 @@ RUNTIMES = {
         chunk_size=5, strategy="vmap", vmap_width=2, num_clients=num_clients
     ),
 }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _decision_cache_in_tmp(tmp_path_factory):
+    """'auto' remembers decisions on disk: tests keep that file out of the home directory."""
+    previous = os.environ.get("FEDLANG_CACHE_DIR")
+    os.environ["FEDLANG_CACHE_DIR"] = str(tmp_path_factory.mktemp("fedlang-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("FEDLANG_CACHE_DIR", None)
+    else:
+        os.environ["FEDLANG_CACHE_DIR"] = previous
 
 
 @pytest.fixture(params=list(RUNTIMES))

@@ -44,6 +44,7 @@ PUBLIC = {
     "serialize_value",
     "deserialize_value",
     "SerializationError",
+    "signing",
     "type_at_clients",
     "type_at_server",
 }
@@ -72,4 +73,5 @@ def test_nothing_else_leaks_into_the_top_level():
         "serialize_value",
         "deserialize_value",
         "SerializationError",
+    "signing",
     }

@@ -1,15 +1,21 @@
 """fedlang: federated learning and analytics with TFF's programming model on JAX.
 
-The public API is exactly what this module re-exports.
+The public API is exactly what this module re-exports. Importing it does no work: no
+JAX backend starts and no thread is made until a computation runs (the default runtime
+is created on first use), and the libraries `fl.learning`, `fl.aggregators` and
+`fl.simulation` are imported when first used.
 """
 
-from fedlang import aggregators as aggregators
-from fedlang import learning as learning
+import importlib as _importlib
+import os as _os
+from typing import Any as _Any
+
 from fedlang import runtime as runtime
 from fedlang import templates as templates
-from fedlang.backends import jax as _jax_backend  # noqa: F401 - registers the StableHLO codec
+from fedlang.backends.jax import jax_computation as jax_computation
+from fedlang.core import context as _context
+from fedlang.core import signing as signing
 from fedlang.core.computation import Computation as Computation
-from fedlang.core.jax_computation import jax_computation as jax_computation
 from fedlang.core.operators import federated_aggregate as federated_aggregate
 from fedlang.core.operators import federated_apply as federated_apply
 from fedlang.core.operators import federated_broadcast as federated_broadcast
@@ -50,5 +56,23 @@ from fedlang.runtime import set_default_context as set_default_context
 
 __version__ = "0.1.0"
 
-if runtime.get_default_context() is None:
-    runtime.set_default_context(runtime.SimulationContext())
+_context.set_default_factory(runtime.SimulationContext)
+
+# Keras (an optional model source) must run on JAX; a Keras imported later picks this up.
+_os.environ.setdefault("KERAS_BACKEND", "jax")
+
+_LAZY_SUBPACKAGES = ("aggregators", "learning", "simulation")
+
+
+def __getattr__(name: str) -> _Any:
+    # `fl.learning` etc. import on first use, so `import fedlang` stays cheap (no Keras,
+    # no pyarrow) while TFF-style `fl.simulation.datasets...` works without an import.
+    if name in _LAZY_SUBPACKAGES:
+        module = _importlib.import_module(f"fedlang.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'fedlang' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY_SUBPACKAGES])

@@ -97,3 +97,48 @@ def test_function_arguments_must_be_computations_of_the_right_type():
     assert apply(inc, [1.0]) == [2.0]
     with pytest.raises(TypeError, match=r"Expected a computation of type \(float32 -> float32\)"):
         apply(lambda v: v, [1.0])
+
+
+def test_an_empty_cohort_gives_each_aggregation_its_empty_value(runtime):
+    point = {"a": np.float32, "n": np.int32}
+
+    @fl.jax_computation(point)
+    def double(p):
+        return {"a": 2 * p["a"], "n": 2 * p["n"]}
+
+    @fl.federated_computation(fl.type_at_clients(point))
+    def everything(points):
+        doubled = fl.federated_map(double, points)
+        return {
+            "sum": fl.federated_sum(doubled),
+            "mean": fl.federated_mean(fl.federated_map(_float_of, doubled)),
+            "min": fl.federated_min(doubled),
+            "max": fl.federated_max(doubled),
+        }
+
+    out = everything([])
+    assert out["sum"] == {"a": 0.0, "n": 0}
+    assert np.isnan(out["mean"])
+    assert out["min"]["n"] == np.iinfo(np.int32).max and out["max"]["n"] == np.iinfo(np.int32).min
+    assert out["min"]["a"] == np.finfo(np.float32).max
+
+
+@fl.jax_computation({"a": np.float32, "n": np.int32})
+def _float_of(p):
+    return p["a"]
+
+
+def test_unbatched_examples_where_batches_are_expected_suggest_batching(runtime):
+    # Issue 16 item 10: a dataset of single examples given where batches are declared.
+    element = {"x": (np.float32, [None, 3])}
+
+    @fl.jax_computation(fl.SequenceType(element))
+    def rows(ds):
+        return ds.reduce(np.int32(0), lambda n, b: n + b["x"].shape[0])
+
+    @fl.federated_computation(fl.type_at_clients(fl.SequenceType(element)))
+    def total_rows(data):
+        return fl.federated_sum(fl.federated_map(rows, data))
+
+    with pytest.raises(TypeError, match=r"found float32\[3\]\. It looks like one example .*dataset\.batch\(20\)"):
+        total_rows([[{"x": np.ones(3, np.float32)}]])

@@ -1,6 +1,5 @@
 """What only the simulation runtime promises: bounded memory, shared client work, strategies, devices."""
 
-import importlib
 import os
 import subprocess
 import sys
@@ -12,11 +11,10 @@ import pytest
 
 import fedlang as fl
 from fedlang.core import context
-from fedlang.runtime import accumulate, local_exec, reference
-from fedlang.runtime.simulation import Options, SimulationContext
 
 # `fedlang.runtime.simulation` is the context manager; the module is reached by its full name.
-simulation = importlib.import_module("fedlang.runtime.simulation")
+from fedlang.runtime import accumulate, local_exec, reference, simulation
+from fedlang.runtime.simulation import Options, SimulationContext
 
 SEQ = fl.SequenceType(fl.to_type({"x": (np.float32, [None, 3]), "y": (np.float32, [None])}))
 W = fl.TensorType(np.float32, [3])
@@ -169,7 +167,7 @@ def test_options_are_validated():
 
 def test_simulation_context_manager_and_default():
     assert isinstance(context.get_default_context(), SimulationContext)
-    with fl.runtime.simulation(chunk_size=2) as ctx:
+    with fl.runtime.simulation_context(chunk_size=2) as ctx:
         assert fedavg_round(np.zeros(3, np.float32), make_clients(5))[2] > 0
     assert ctx.last_run is not None
 
@@ -222,7 +220,7 @@ def test_several_devices_split_each_chunk(tmp_path):
 
         data = [[np.ones(3, np.float32) * i] * (i % 4 + 1) for i in range(10)]
         xs = [float(i) for i in range(10)]
-        with fl.runtime.simulation(chunk_size=8) as ctx:
+        with fl.runtime.simulation_context(chunk_size=8) as ctx:
             got = fed(2.0, data, xs)
         with context.with_context(reference.ReferenceContext()):
             want = fed(2.0, data, xs)
@@ -231,7 +229,10 @@ def test_several_devices_split_each_chunk(tmp_path):
         print("ok")
         """
     )
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    # Two CPU devices, also on a machine with a GPU (which would be JAX's default).
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
+    )
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )

@@ -41,11 +41,21 @@ class Computation(abc.ABC):
         return serialization.serialize_computation(self)
 
     @staticmethod
-    def from_bytes(data: bytes) -> Computation:
-        """Rebuilds a computation serialized with `to_bytes`, in any process."""
+    def from_bytes(
+        data: bytes, *, public_key: Any = None, trusted: bool = False, max_bytes: int | None = None
+    ) -> Computation:
+        """Rebuilds a computation serialized with `to_bytes`, in any process.
+
+        Bytes from an untrusted source are checked before this process parses the
+        programs they embed: pass `public_key` to require a signature by that key
+        (fast), `trusted=True` for bytes you wrote yourself, or neither to have them
+        checked in a separate process first. See `serialization.deserialize_computation`.
+        """
         from fedlang.core import serialization
 
-        return serialization.deserialize_computation(data)
+        return serialization.deserialize_computation(
+            data, public_key=public_key, trusted=trusted, max_bytes=max_bytes
+        )
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}: {self.type_signature}>"
@@ -133,12 +143,3 @@ def pack_args(
             raise TypeError(f"{fn_name} got two values for parameter {k!r}.")
         packed[i] = v
     return tuple(packed)
-
-
-def unpack_for_python(value: Any, names: Sequence[str], parameter: types.Type | None) -> tuple:
-    """The positional arguments to call the user's Python function with."""
-    if parameter is None:
-        return ()
-    if len(names) <= 1:
-        return (value,)
-    return tuple(value)

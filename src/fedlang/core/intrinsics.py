@@ -1,24 +1,51 @@
-"""The federated operators (intrinsics): one table of name, type rule and semantics.
+"""The intrinsic registry: the single source of truth for federated operators.
 
-Each `IntrinsicDef` in `TABLE` gives an intrinsic's URI, its type rule (argument type
+Each intrinsic is one `IntrinsicDef`: its URI, its kind, its type rule (argument type
 -> result type, raising `TypeError` with a fix) and its reference semantics over
-internal values (CLIENTS values are Python lists with one entry per client). Tracing,
-the reference runtime and the fast runtimes all read this table. The user-facing
-functions below validate their arguments and record a call in the current trace.
+internal values (CLIENTS values are Python lists with one entry per client). Tracing
+records calls by URI; the reference runtime runs the semantics; every other runtime
+declares a strategy table `{uri: implementation}` and falls back to the semantics
+where that is valid, or refuses an intrinsic before running anything
+(`check_supported`).
+
+The standard intrinsics are defined in `intrinsic_defs` (and the sparse family in
+`sparse_intrinsics`); a new one is a single `define(...)` call, anywhere:
+
+    >>> import numpy as np
+    >>> from fedlang.core import intrinsics, types
+    >>> def rule(t):
+    ...     member = intrinsics.expect_federated(t, "my_count", types.CLIENTS).member
+    ...     return types.FederatedType(types.TensorType(np.int32), types.SERVER)
+    >>> d = intrinsics.define(
+    ...     "my_count", intrinsics.Kind.AGGREGATE, "({T}@CLIENTS -> int32@SERVER)",
+    ...     rule, lambda arg, t, rt: np.int32(len(arg)), replace=True)
+    >>> d.kind.name
+    'AGGREGATE'
+    >>> del intrinsics.TABLE["my_count"]  # (keeps the table as it was)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import enum
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import numpy as np
 
 from fedlang.core import ir, structure, tracing, types
 
-CLIENTS, SERVER = types.CLIENTS, types.SERVER
+
+class Kind(enum.Enum):
+    """What an intrinsic does, which tells a runtime how it may execute it."""
+
+    VALUE = "value"  # places a local value (federated_value, federated_eval)
+    BROADCAST = "broadcast"  # SERVER -> CLIENTS
+    MAP = "map"  # pointwise at a placement (federated_map, federated_zip)
+    AGGREGATE = "aggregate"  # CLIENTS -> SERVER
+    SECURE_AGGREGATE = "secure aggregate"  # CLIENTS -> SERVER, only the sum is revealed
+    SELECT = "select"  # SERVER data selected per client (federated_select)
+    SEQUENCE = "sequence"  # over a dataset, locally or pointwise at a placement
 
 
 class Runtime(Protocol):
@@ -33,32 +60,71 @@ class Runtime(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class IntrinsicDef:
+    """One intrinsic: name, kind, type rule and reference semantics.
+
+    Attributes:
+      uri: its name in the IR (e.g. "federated_sum").
+      kind: its `Kind`.
+      signature: its type signature in TFF notation, for docs and errors.
+      type_rule: argument type -> result type; raises `TypeError` naming the fix.
+      impl: the reference semantics `impl(arg, arg_type, runtime) -> result` on
+        internal values.
+      empty: for aggregations, the result over no clients as a function of the member
+        type (e.g. zeros for a sum, NaN for a mean); None when it has no such value.
+    """
+
     uri: str
-    signature: str  # the type signature in TFF notation, for docs and errors
+    kind: Kind
+    signature: str
     type_rule: Callable[[types.Type], types.Type]
     impl: Callable[[Any, types.Type, Runtime], Any]
+    empty: Callable[[types.Type], Any] | None = None
 
 
 TABLE: dict[str, IntrinsicDef] = {}
 
 
-def _define(uri: str, signature: str) -> Callable:
-    def register(pair: tuple[Callable, Callable]) -> tuple[Callable, Callable]:
-        rule, impl = pair
-        TABLE[uri] = IntrinsicDef(uri, signature, rule, impl)
-        return pair
+def define(
+    uri: str,
+    kind: Kind,
+    signature: str,
+    type_rule: Callable[[types.Type], types.Type],
+    impl: Callable[[Any, types.Type, Runtime], Any],
+    empty: Callable[[types.Type], Any] | None = None,
+    replace: bool = False,
+) -> IntrinsicDef:
+    """Registers an intrinsic; returns its definition.
 
-    return register
+    Args:
+      uri: the name the IR refers to it by.
+      kind: what it does (see `Kind`).
+      signature: its type signature in TFF notation (for docs and error messages).
+      type_rule: argument type -> result type, raising `TypeError` for a wrong argument.
+      impl: reference semantics `impl(arg, arg_type, runtime)` over internal values.
+      empty: for aggregations, the result over an empty cohort given the member type.
+      replace: allow redefining an existing URI (for tests and notebooks).
+
+    Raises:
+      ValueError: when `uri` is already defined and `replace` is False.
+    """
+    if not isinstance(kind, Kind):
+        raise TypeError(f"Expected an intrinsics.Kind, found {kind!r}.")
+    if uri in TABLE and not replace:
+        raise ValueError(f"The intrinsic {uri!r} is already defined; pick another name.")
+    definition = IntrinsicDef(uri, kind, signature, type_rule, impl, empty)
+    TABLE[uri] = definition
+    return definition
 
 
 def lookup(uri: str) -> IntrinsicDef:
+    """The definition of `uri`; raises `ValueError` naming the known intrinsics."""
     if uri not in TABLE:
         raise ValueError(f"Unknown intrinsic {uri!r}; known intrinsics are {sorted(TABLE)}.")
     return TABLE[uri]
 
 
 def call_intrinsic(uri: str, arg: Any) -> tracing.Value:
-    """Type-checks `arg` against the intrinsic's rule and records the call."""
+    """Type-checks `arg` against the intrinsic's rule and records the call in the trace."""
     ctx = tracing.current_tracing_context(uri)
     node = tracing.to_node(arg)
     result_type = lookup(uri).type_rule(node.type_signature)
@@ -66,13 +132,44 @@ def call_intrinsic(uri: str, arg: Any) -> tracing.Value:
     return ctx.bind(ir.Call(fn, node))
 
 
+class UnsupportedIntrinsicError(TypeError):
+    """A runtime cannot execute an intrinsic that a computation uses."""
+
+
+def check_supported(
+    node: ir.Node,
+    runtime_name: str,
+    refuse: Callable[[IntrinsicDef, types.FunctionType], str | None],
+) -> None:
+    """Fails before anything runs if `refuse` objects to an intrinsic `node` uses.
+
+    Args:
+      node: the computation's IR.
+      runtime_name: the runtime, for the message.
+      refuse: `(definition, type) -> reason or None` for each intrinsic call site.
+
+    Raises:
+      UnsupportedIntrinsicError: naming the intrinsic, its type, the runtime and why.
+    """
+    for n in ir.walk(node):
+        if isinstance(n, ir.Intrinsic):
+            fn_type = n.type_signature
+            assert isinstance(fn_type, types.FunctionType)
+            reason = refuse(lookup(n.uri), fn_type)
+            if reason:
+                raise UnsupportedIntrinsicError(
+                    f"The {runtime_name} runtime cannot run {n.uri} of type {fn_type}: {reason}"
+                )
+
+
 # ----------------------------------------------------------------------------
-# Type-rule helpers
+# Type-rule helpers, for definitions here and elsewhere
 
 
-def _fed(
+def expect_federated(
     t: types.Type, uri: str, placement: types.Placement | None = None, hint: str = ""
 ) -> types.FederatedType:
+    """`t` as a federated type (at `placement`, if given), else a `TypeError` with `hint`."""
     if not isinstance(t, types.FederatedType) or (
         placement is not None and t.placement is not placement
     ):
@@ -81,634 +178,58 @@ def _fed(
     return t
 
 
-def _struct_args(t: types.Type, n: int, uri: str) -> tuple[types.Type, ...]:
+def struct_args(t: types.Type, n: int, uri: str) -> tuple[types.Type, ...]:
+    """The element types of a struct of `n` arguments."""
     if not isinstance(t, types.StructType) or len(t) != n:
         raise TypeError(f"{uri} expects {n} arguments, found {t}.")
     return t.types
 
 
-def _numeric(t: types.Type, uri: str, kinds: str = "iufc", what: str = "numbers") -> None:
+def expect_numeric(t: types.Type, uri: str, kinds: str = "iufc", what: str = "numbers") -> None:
+    """Checks that `t` is dense tensors (or structs of them) of the dtype `kinds`."""
     if not types.is_numeric(t, kinds) or any(
         isinstance(x, types.SparseTensorType) for x in types.tensor_leaves(t)
     ):
         raise TypeError(f"{uri} expects {what} (tensors or structs of tensors), found {t}.")
 
 
-def _fn(t: types.Type, uri: str, what: str = "a function") -> types.FunctionType:
+def expect_function(t: types.Type, uri: str, what: str = "a function") -> types.FunctionType:
+    """`t` as a function type."""
     if not isinstance(t, types.FunctionType):
         raise TypeError(f"{uri} expects {what}, found a value of type {t}.")
     return t
 
 
-def _check_param(fn: types.FunctionType, arg: types.Type, uri: str) -> None:
+def check_parameter(fn: types.FunctionType, arg: types.Type, uri: str) -> None:
+    """Checks that a function of type `fn` accepts an argument of type `arg`."""
     if fn.parameter is None or not fn.parameter.is_assignable_from(arg):
         raise TypeError(f"{uri}: the function of type {fn} cannot take an argument of type {arg}.")
 
 
 # ----------------------------------------------------------------------------
-# Semantics helpers over internal values
+# Values the semantics need
 
 
-def _map_leaves(fn: Callable, t: types.Type, *values: Any) -> Any:
-    if isinstance(t, types.StructType):
-        return tuple(_map_leaves(fn, et, *vs) for et, vs in zip(t.types, zip(*values)))
-    return fn(t, *values)
+def zeros(t: types.Type) -> Any:
+    """Zeros of a local type, internal form (unknown dimensions have size 0)."""
+    return full(t, 0)
 
 
-def _reduce_clients(fn: Callable, t: types.Type, client_values: list[Any], empty: Callable) -> Any:
-    if isinstance(t, types.StructType):
-        return tuple(
-            _reduce_clients(fn, et, [v[i] for v in client_values], empty)
-            for i, et in enumerate(t.types)
-        )
-    if not client_values:
-        return empty(t)
-    return fn(t, [np.asarray(v) for v in client_values])
+def full(t: types.Type, fill: Any) -> Any:
+    """A local type's value filled with `fill` (a scalar, or a function of the dtype)."""
 
+    def leaf(lt: types.TensorType) -> np.ndarray:
+        value = fill(lt.dtype) if callable(fill) else fill
+        return np.full([d or 0 for d in lt.shape], value, lt.dtype)
 
-def _zeros(t: types.Type) -> Any:
-    return _map_leaves(lambda lt: np.zeros([d or 0 for d in lt.shape], lt.dtype), t)
+    return structure.unflatten([leaf(lt) for lt in structure.leaf_types(t)], t)
 
 
-# ----------------------------------------------------------------------------
-# The table
-
-
-def _value_rule(placement: types.Placement) -> Callable:
-    def rule(t: types.Type) -> types.Type:
-        types.check_local(t, f"federated_value at {placement}")
-        return types.FederatedType(t, placement, all_equal=True)
-
-    return rule
-
-
-def _value_impl(placement: types.Placement) -> Callable:
-    def impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-        return [arg] * rt.num_clients if placement is CLIENTS else arg
-
-    return impl
-
-
-# Type signature: T -> T@SERVER
-_define("federated_value_at_server", "(T -> T@SERVER)")((_value_rule(SERVER), _value_impl(SERVER)))
-# Type signature: T -> T@CLIENTS
-_define("federated_value_at_clients", "(T -> T@CLIENTS)")(
-    (_value_rule(CLIENTS), _value_impl(CLIENTS))
-)
-
-
-def _eval_rule(placement: types.Placement) -> Callable:
-    def rule(t: types.Type) -> types.Type:
-        fn = _fn(t, f"federated_eval at {placement}", "a computation with no parameter")
-        if fn.parameter is not None:
-            raise TypeError(f"federated_eval expects a computation with no parameter, found {fn}.")
-        types.check_local(fn.result, "federated_eval's result")
-        return types.FederatedType(fn.result, placement)
-
-    return rule
-
-
-def _eval_impl(placement: types.Placement) -> Callable:
-    def impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-        if placement is CLIENTS:
-            return [rt.call(arg, None) for _ in range(rt.num_clients)]
-        return rt.call(arg, None)
-
-    return impl
-
-
-# Type signature: ( -> T) -> T@SERVER
-_define("federated_eval_at_server", "(( -> T) -> T@SERVER)")(
-    (_eval_rule(SERVER), _eval_impl(SERVER))
-)
-# Type signature: ( -> T) -> {T}@CLIENTS
-_define("federated_eval_at_clients", "(( -> T) -> {T}@CLIENTS)")(
-    (_eval_rule(CLIENTS), _eval_impl(CLIENTS))
-)
-
-
-def _broadcast_rule(t: types.Type) -> types.Type:
-    f = _fed(t, "federated_broadcast", SERVER)
-    return types.FederatedType(f.member, CLIENTS, all_equal=True)
-
-
-# Type signature: T@SERVER -> T@CLIENTS
-_define("federated_broadcast", "(T@SERVER -> T@CLIENTS)")(
-    (_broadcast_rule, lambda arg, t, rt: [arg] * rt.num_clients)
-)
-
-
-def _map_rule(t: types.Type) -> types.Type:
-    fn_t, value_t = _struct_args(t, 2, "federated_map")
-    fn = _fn(fn_t, "federated_map", "a local computation as its first argument")
-    v = _fed(
-        value_t,
-        "federated_map",
-        hint="To apply a local function to a local value, call it directly.",
-    )
-    _check_param(fn, v.member, "federated_map")
-    if types.contains_federated(fn.result):
-        raise TypeError(
-            f"federated_map expects a local function, found {fn}; its result is federated."
-        )
-    return types.FederatedType(fn.result, v.placement, all_equal=v.all_equal)
-
-
-def _map_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-    fn, value = arg
-    if t.types[1].placement is CLIENTS:  # type: ignore[attr-defined]
-        return [rt.call(fn, v) for v in value]
-    return rt.call(fn, value)
-
-
-# Type signature: <(T -> U), {T}@CLIENTS> -> {U}@CLIENTS  (and T@SERVER -> U@SERVER, all-equal -> all-equal)
-_define("federated_map", "(<(T -> U),{T}@CLIENTS> -> {U}@CLIENTS)")((_map_rule, _map_impl))
-
-
-def _zip_member(
-    t: types.Type, placement: types.Placement | None
-) -> tuple[types.Type, types.Placement | None, bool]:
-    if isinstance(t, types.FederatedType):
-        if placement is not None and t.placement is not placement:
-            raise TypeError(
-                f"federated_zip expects values at one placement, found {t.placement} and {placement}."
-            )
-        return t.member, t.placement, t.all_equal
-    if isinstance(t, types.StructType):
-        members, all_equal = [], True
-        for n, et in t.elements:
-            m, placement, ae = _zip_member(et, placement)
-            members.append((n, m))
-            all_equal = all_equal and ae
-        return types.StructType(members, container=t.container), placement, all_equal
-    raise TypeError(f"federated_zip expects a struct of federated values, found {t}.")
-
-
-def _zip_rule(t: types.Type) -> types.Type:
-    if not isinstance(t, types.StructType):
-        raise TypeError(f"federated_zip expects a struct of federated values, found {t}.")
-    member, placement, all_equal = _zip_member(t, None)
-    if placement is None:
-        raise TypeError(f"federated_zip expects at least one federated value, found {t}.")
-    return types.FederatedType(member, placement, all_equal=all_equal)
-
-
-def _zip_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-    placement = _zip_rule(t).placement  # type: ignore[attr-defined]
-
-    def at(v: Any, vt: types.Type, i: int | None) -> Any:
-        if isinstance(vt, types.FederatedType):
-            return v if i is None else v[i]
-        return tuple(at(x, et, i) for x, et in zip(v, vt.types))  # type: ignore[attr-defined]
-
-    if placement is CLIENTS:
-        return [at(arg, t, i) for i in range(rt.num_clients)]
-    return at(arg, t, None)
-
-
-# Type signature: <{A}@CLIENTS,{B}@CLIENTS> -> {<A,B>}@CLIENTS  (and at SERVER)
-_define("federated_zip", "(<{A}@CLIENTS,{B}@CLIENTS> -> {<A,B>}@CLIENTS)")((_zip_rule, _zip_impl))
-
-
-def _sum_rule(t: types.Type) -> types.Type:
-    v = _fed(
-        t,
-        "federated_sum",
-        CLIENTS,
-        "Did you mean to broadcast first, or is the value already aggregated?",
-    )
-    _numeric(v.member, "federated_sum", "iufc", "numeric values")
-    return types.FederatedType(v.member, SERVER)
-
-
-def _sum_leaf(lt: types.Type, vs: list[np.ndarray]) -> np.ndarray:
-    return np.sum(np.stack(vs), axis=0, dtype=lt.dtype)  # type: ignore[attr-defined]
-
-
-# Type signature: {T}@CLIENTS -> T@SERVER
-_define("federated_sum", "({T}@CLIENTS -> T@SERVER)")(
-    (_sum_rule, lambda arg, t, rt: _reduce_clients(_sum_leaf, t.member, arg, _zeros))
-)
-
-
-def _mean_rule(t: types.Type) -> types.Type:
-    v = _fed(
-        t,
-        "federated_mean",
-        CLIENTS,
-        "Did you mean federated_broadcast, or is it already aggregated?",
-    )
-    _numeric(v.member, "federated_mean", "fc", "floating-point values")
-    return types.FederatedType(v.member, SERVER)
-
-
-def _nan(t: types.Type) -> Any:
-    return _map_leaves(lambda lt: np.full([d or 0 for d in lt.shape], np.nan, lt.dtype), t)
-
-
-def _mean_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-    n = len(arg)
-    return _reduce_clients(
-        lambda lt, vs: (np.sum(np.stack(vs).astype(np.float64), axis=0) / n).astype(lt.dtype),
-        cast(types.FederatedType, t).member,
-        arg,
-        _nan,
-    )
-
-
-# Type signature: {T}@CLIENTS -> T@SERVER  (T floating)
-_define("federated_mean", "({T}@CLIENTS -> T@SERVER)")((_mean_rule, _mean_impl))
-
-
-def _weighted_mean_rule(t: types.Type) -> types.Type:
-    value_t, weight_t = _struct_args(t, 2, "federated_mean")
-    result = _mean_rule(value_t)
-    w = _fed(weight_t, "federated_mean (weight)", CLIENTS)
-    if (
-        not isinstance(w.member, types.TensorType)
-        or w.member.shape != ()
-        or w.member.dtype.kind not in "iuf"
-    ):
-        raise TypeError(
-            f"federated_mean expects a scalar numeric weight per client, found {weight_t}."
-        )
-    return result
-
-
-def _weighted_mean_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-    values, weights = arg
-    w = np.asarray([np.asarray(x, np.float64) for x in weights])
-    total = w.sum()
-
-    def leaf(lt: types.Type, vs: list[np.ndarray]) -> np.ndarray:
-        stacked = np.stack(vs).astype(np.float64)
-        s = np.tensordot(w, stacked, axes=1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return (s / total).astype(lt.dtype)  # type: ignore[attr-defined]
-
-    member = cast(types.FederatedType, cast(types.StructType, t).types[0]).member
-    return _reduce_clients(leaf, member, values, _nan)
-
-
-# Type signature: <{T}@CLIENTS,{W}@CLIENTS> -> T@SERVER  (sum(w*x)/sum(w); NaN when sum(w) == 0)
-_define("federated_weighted_mean", "(<{T}@CLIENTS,{W}@CLIENTS> -> T@SERVER)")(
-    (_weighted_mean_rule, _weighted_mean_impl)
-)
-
-
-def _minmax(uri: str, reducer: Callable, identity: Callable) -> tuple[Callable, Callable]:
-    def rule(t: types.Type) -> types.Type:
-        v = _fed(t, uri, CLIENTS)
-        _numeric(v.member, uri, "iuf", "real numbers")
-        return types.FederatedType(v.member, SERVER)
-
-    def impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-        return _reduce_clients(
-            lambda lt, vs: reducer(np.stack(vs), axis=0).astype(lt.dtype),
-            cast(types.FederatedType, t).member,
-            arg,
-            lambda lt: _map_leaves(
-                lambda x: np.full([d or 0 for d in x.shape], identity(x.dtype), x.dtype), lt
-            ),
-        )
-
-    return rule, impl
-
-
-def _dtype_max(dt: np.dtype) -> Any:
+def dtype_max(dt: np.dtype) -> Any:
+    """The largest value of a real dtype (the identity of a minimum)."""
     return np.finfo(dt).max if dt.kind == "f" else np.iinfo(dt).max
 
 
-def _dtype_min(dt: np.dtype) -> Any:
+def dtype_min(dt: np.dtype) -> Any:
+    """The smallest value of a real dtype (the identity of a maximum)."""
     return np.finfo(dt).min if dt.kind == "f" else np.iinfo(dt).min
-
-
-# Type signature: {T}@CLIENTS -> T@SERVER  (elementwise; the dtype's largest value for no clients)
-_define("federated_min", "({T}@CLIENTS -> T@SERVER)")(_minmax("federated_min", np.min, _dtype_max))
-# Type signature: {T}@CLIENTS -> T@SERVER  (elementwise; the dtype's smallest value for no clients)
-_define("federated_max", "({T}@CLIENTS -> T@SERVER)")(_minmax("federated_max", np.max, _dtype_min))
-
-
-def _aggregate_rule(t: types.Type) -> types.Type:
-    uri = "federated_aggregate"
-    value_t, zero_t, acc_t, merge_t, report_t = _struct_args(t, 5, uri)
-    v = _fed(value_t, uri, CLIENTS)
-    types.check_local(zero_t, "federated_aggregate's zero")
-    acc = _fn(acc_t, uri, "an accumulate function (<U,T> -> U)")
-    _check_param(acc, types.StructType([zero_t, v.member]), uri + " (accumulate)")
-    if not zero_t.is_assignable_from(acc.result):
-        raise TypeError(
-            f"{uri}: accumulate must return the zero's type {zero_t}, found {acc.result}."
-        )
-    merge = _fn(merge_t, uri, "a merge function (<U,U> -> U)")
-    _check_param(merge, types.StructType([zero_t, zero_t]), uri + " (merge)")
-    if not zero_t.is_assignable_from(merge.result):
-        raise TypeError(f"{uri}: merge must return the zero's type {zero_t}, found {merge.result}.")
-    report = _fn(report_t, uri, "a report function (U -> R)")
-    _check_param(report, zero_t, uri + " (report)")
-    return types.FederatedType(report.result, SERVER)
-
-
-def _aggregate_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-    values, zero, accumulate, merge, report = arg
-    # Clients are accumulated in two partial aggregates that are then merged, so the
-    # reference exercises `merge` exactly as chunked runtimes do.
-    half = len(values) // 2
-    partials = []
-    for part in (values[:half], values[half:]):
-        acc = zero
-        for v in part:
-            acc = rt.call(accumulate, (acc, v))
-        partials.append(acc)
-    return rt.call(report, rt.call(merge, tuple(partials)))
-
-
-# Type signature: <{T}@CLIENTS,U,(<U,T> -> U),(<U,U> -> U),(U -> R)> -> R@SERVER
-_define("federated_aggregate", "(<{T}@CLIENTS,U,(<U,T> -> U),(<U,U> -> U),(U -> R)> -> R@SERVER)")(
-    (_aggregate_rule, _aggregate_impl)
-)
-
-
-def _select_rule(t: types.Type) -> types.Type:
-    uri = "federated_select"
-    keys_t, max_t, server_t, fn_t = _struct_args(t, 4, uri)
-    keys = _fed(keys_t, uri + " (client_keys)", CLIENTS)
-    if not (
-        isinstance(keys.member, types.TensorType)
-        and keys.member.dtype == np.int32
-        and len(keys.member.shape) == 1
-    ):
-        raise TypeError(f"{uri} expects client keys of type {{int32[?]}}@CLIENTS, found {keys_t}.")
-    mx = _fed(max_t, uri + " (max_key)", SERVER)
-    if mx.member != types.TensorType(np.int32):
-        raise TypeError(f"{uri} expects max_key of type int32@SERVER, found {max_t}.")
-    server = _fed(server_t, uri + " (server_val)", SERVER)
-    fn = _fn(fn_t, uri, "a select function (<T,int32> -> U)")
-    _check_param(
-        fn, types.StructType([server.member, types.TensorType(np.int32)]), uri + " (select_fn)"
-    )
-    return types.FederatedType(types.SequenceType(fn.result), CLIENTS)
-
-
-def _select_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-    keys, max_key, server_val, fn = arg
-    out = []
-    for i, client_keys in enumerate(keys):
-        ks = np.asarray(client_keys)
-        bad = ks[(ks < 0) | (ks >= max_key)]
-        if bad.size:
-            raise ValueError(
-                f"federated_select: client {i} asked for key {int(bad[0])}, outside [0, {int(max_key)})."
-            )
-        if getattr(fn, "can_vmap", False) and getattr(fn, "seq_index", 0) is None:
-            out.append(_select_many(fn, server_val, ks))  # same values, one call per client
-        else:
-            out.append([rt.call(fn, (server_val, np.int32(k))) for k in ks])
-    return out
-
-
-def _select_many(fn: Any, server_val: Any, keys: np.ndarray) -> list[Any]:
-    """`[fn(server_val, k) for k in keys]` for a JAX computation, as one vmapped call.
-
-    One call per key would move the server value to the device and dispatch once per
-    key (milliseconds each for a large table); a client asking for 1,000 rows of a
-    1,000,000-row table then takes seconds.
-    """
-    import jax  # a JAX computation is being called: JAX is loaded already
-
-    leaves = [jax.numpy.asarray(x) for x in fn.arg_leaves([server_val, np.int32(0)])[:-1]]
-    many = fn.program(
-        ("select_many", len(leaves)),
-        lambda: jax.jit(jax.vmap(fn.trace_fn("fn"), in_axes=(*[None] * len(leaves), 0))),
-    )
-    padded = np.zeros(1 << max(len(keys) - 1, 0).bit_length(), np.int32)  # few compiled sizes
-    padded[: len(keys)] = keys
-    outs = [np.asarray(x) for x in many(*leaves, padded)]
-    result_t = fn.type_signature.result
-    return [structure.unflatten([x[j] for x in outs], result_t) for j in range(len(keys))]
-
-
-# Type signature: <{int32[?]}@CLIENTS,int32@SERVER,T@SERVER,(<T,int32> -> U)> -> {sequence<U>}@CLIENTS
-_define(
-    "federated_select",
-    "(<{int32[?]}@CLIENTS,int32@SERVER,T@SERVER,(<T,int32> -> U)> -> {sequence<U>}@CLIENTS)",
-)((_select_rule, _select_impl))
-
-
-def _secure_rule(uri: str, param: str) -> Callable:
-    def rule(t: types.Type) -> types.Type:
-        value_t, bound_t = _struct_args(t, 2, uri)
-        v = _fed(value_t, uri, CLIENTS)
-        _numeric(v.member, uri, "iu", "integers")
-        types.check_local(bound_t, f"{uri}'s {param}")
-        _numeric(bound_t, uri + f" ({param})", "iu", f"integer {param}s")
-        leaves = types.tensor_leaves(v.member)
-        if not (isinstance(bound_t, types.TensorType) and bound_t.shape == ()) and len(
-            types.tensor_leaves(bound_t)
-        ) != len(leaves):
-            raise TypeError(
-                f"{uri} expects one {param} or one per tensor of {v.member}, found {bound_t}."
-            )
-        return types.FederatedType(v.member, SERVER)
-
-    return rule
-
-
-def _per_leaf_bounds(bound: Any, bound_t: types.Type, member: types.Type) -> list[int]:
-    n = len(types.tensor_leaves(member))
-    flat = structure.flatten(bound, bound_t)
-    ints = [int(np.asarray(b)) for b in flat]
-    return ints * n if len(ints) == 1 else ints
-
-
-def _modular_sum(
-    values: list[Any], member: types.Type, moduli: list[int], wrap_inputs: list[int]
-) -> Any:
-    """Exact integer sum modulo `moduli[i]` per tensor, each input first wrapped modulo `wrap_inputs[i]`."""
-    leaf_types = structure.leaf_types(member)
-    flat_clients = [structure.flatten(v, member) for v in values]
-    out = []
-    for i, lt in enumerate(leaf_types):
-        acc = np.zeros([d or 0 for d in lt.shape], dtype=object) if not flat_clients else None
-        for client in flat_clients:
-            x = np.mod(np.asarray(client[i]).astype(object), wrap_inputs[i])
-            acc = x if acc is None else acc + x
-        assert acc is not None  # zeros without clients, else the first client's value
-        acc = np.mod(acc, moduli[i])
-        out.append(np.asarray(acc.astype(np.int64)).astype(lt.dtype))
-    return structure.unflatten(out, member)
-
-
-def _secure_bitwidth_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-    values, bitwidth = arg
-    arg_t = cast(types.StructType, t)
-    member = cast(types.FederatedType, arg_t.types[0]).member
-    widths = _per_leaf_bounds(bitwidth, arg_t.types[1], member)
-    n = max(len(values), 1)
-    extra = math.ceil(math.log2(n)) if n > 1 else 0
-    return _modular_sum(values, member, [2 ** (b + extra) for b in widths], [2**b for b in widths])
-
-
-def _secure_modular_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-    values, modulus = arg
-    arg_t = cast(types.StructType, t)
-    member = cast(types.FederatedType, arg_t.types[0]).member
-    moduli = _per_leaf_bounds(modulus, arg_t.types[1], member)
-    return _modular_sum(values, member, moduli, moduli)
-
-
-# Type signature: <{T}@CLIENTS,B> -> T@SERVER  (T integer; inputs wrap modulo 2^B, the sum is
-# exact in a group of 2^(B + ceil(log2 n)) as in the secure aggregation protocol)
-_define("federated_secure_sum_bitwidth", "(<{T}@CLIENTS,B> -> T@SERVER)")(
-    (_secure_rule("federated_secure_sum_bitwidth", "bitwidth"), _secure_bitwidth_impl)
-)
-# Type signature: <{T}@CLIENTS,M> -> T@SERVER  (sum of (x mod M), mod M, exactly)
-_define("federated_secure_modular_sum", "(<{T}@CLIENTS,M> -> T@SERVER)")(
-    (_secure_rule("federated_secure_modular_sum", "modulus"), _secure_modular_impl)
-)
-
-
-# ----------------------------------------------------------------------------
-# Sequence intrinsics (local, or pointwise on a federated sequence)
-
-
-def _pointwise(
-    uri: str,
-    t: types.Type,
-    seq_t: types.Type,
-    local_rule: Callable[[types.SequenceType], types.Type],
-) -> types.Type:
-    if isinstance(seq_t, types.FederatedType):
-        if not isinstance(seq_t.member, types.SequenceType):
-            raise TypeError(f"{uri} expects a sequence, found {seq_t}.")
-        return types.FederatedType(
-            local_rule(seq_t.member), seq_t.placement, all_equal=seq_t.all_equal
-        )
-    if not isinstance(seq_t, types.SequenceType):
-        raise TypeError(f"{uri} expects a sequence (a dataset), found {seq_t}.")
-    return local_rule(seq_t)
-
-
-def _seq_map_rule(t: types.Type) -> types.Type:
-    fn_t, seq_t = _struct_args(t, 2, "sequence_map")
-    fn = _fn(fn_t, "sequence_map", "a local function as its first argument")
-
-    def local(s: types.SequenceType) -> types.Type:
-        _check_param(fn, s.element, "sequence_map")
-        return types.SequenceType(fn.result)
-
-    return _pointwise("sequence_map", t, seq_t, local)
-
-
-class MappedStream:
-    """A lazily mapped sequence; each iteration is a fresh pass."""
-
-    def __init__(self, source: Any, fn: Callable[[Any], Any]):
-        self.source, self.fn = source, fn
-
-    def __iter__(self) -> Any:
-        return (self.fn(x) for x in self.source)
-
-
-def _per_placement(seq_t: types.Type, value: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(seq_t, types.FederatedType) and seq_t.placement is CLIENTS:
-        return [fn(v) for v in value]
-    return fn(value)
-
-
-def _seq_map_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-    fn, seq = arg
-    return _per_placement(
-        cast(types.StructType, t).types[1], seq, lambda s: MappedStream(s, lambda x: rt.call(fn, x))
-    )
-
-
-# Type signature: <(T -> U),sequence<T>> -> sequence<U>  (pointwise on {sequence<T>}@P)
-_define("sequence_map", "(<(T -> U),sequence<T>> -> sequence<U>)")((_seq_map_rule, _seq_map_impl))
-
-
-def _seq_reduce_rule(t: types.Type) -> types.Type:
-    seq_t, zero_t, op_t = _struct_args(t, 3, "sequence_reduce")
-    op = _fn(op_t, "sequence_reduce", "an operator (<U,T> -> U)")
-    zero_member = zero_t.member if isinstance(zero_t, types.FederatedType) else zero_t
-    if isinstance(zero_t, types.FederatedType) and (
-        not isinstance(seq_t, types.FederatedType) or zero_t.placement is not seq_t.placement
-    ):
-        raise TypeError(
-            f"sequence_reduce: the zero {zero_t} must be local or at the sequence's placement ({seq_t})."
-        )
-
-    def local(s: types.SequenceType) -> types.Type:
-        _check_param(op, types.StructType([zero_member, s.element]), "sequence_reduce")
-        if not zero_member.is_assignable_from(op.result):
-            raise TypeError(
-                f"sequence_reduce: the operator must return the zero's type {zero_member}, found {op.result}."
-            )
-        return zero_member
-
-    result = _pointwise("sequence_reduce", t, seq_t, local)
-    if (
-        isinstance(result, types.FederatedType)
-        and isinstance(zero_t, types.FederatedType)
-        and not zero_t.all_equal
-    ):
-        result = types.FederatedType(result.member, result.placement, all_equal=False)
-    return result
-
-
-def reduce_stream(seq: Any, zero: Any, step: Callable[[Any, Any], Any]) -> Any:
-    """Folds a stream with `step(state, element)`: the host loop every runtime can fall back to."""
-    state = zero
-    for element in seq:
-        state = step(state, element)
-    return state
-
-
-def _seq_reduce_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-    seq, zero, op = arg
-    arg_t = cast(types.StructType, t)
-    seq_t, zero_t = arg_t.types[0], arg_t.types[1]
-    if isinstance(seq_t, types.FederatedType) and seq_t.placement is CLIENTS:
-        zeros = zero if isinstance(zero_t, types.FederatedType) else [zero] * len(seq)
-        return [reduce_stream(s, z, lambda a, x: rt.call(op, (a, x))) for s, z in zip(seq, zeros)]
-    return reduce_stream(seq, zero, lambda a, x: rt.call(op, (a, x)))
-
-
-# Type signature: <sequence<T>,U,(<U,T> -> U)> -> U  (pointwise on {sequence<T>}@P)
-_define("sequence_reduce", "(<sequence<T>,U,(<U,T> -> U)> -> U)")(
-    (_seq_reduce_rule, _seq_reduce_impl)
-)
-
-
-def _seq_sum_rule(t: types.Type) -> types.Type:
-    def local(s: types.SequenceType) -> types.Type:
-        _numeric(s.element, "sequence_sum", "iufc", "numeric elements")
-        return s.element
-
-    return _pointwise("sequence_sum", t, t, local)
-
-
-def _seq_sum_impl(arg: Any, t: types.Type, rt: Runtime) -> Any:
-    element_t = t.member.element if isinstance(t, types.FederatedType) else t.element  # type: ignore[attr-defined]
-
-    def add(a: Any, x: Any) -> Any:
-        if a is None:
-            return _map_leaves(lambda lt, q: np.asarray(q, lt.dtype), element_t, x)
-        return _map_leaves(lambda lt, p, q: (p + np.asarray(q)).astype(lt.dtype), element_t, a, x)
-
-    def total(seq: Any) -> Any:
-        result = reduce_stream(seq, None, add)
-        if result is None:  # an empty sequence sums to zeros (unknown dimensions have size 0)
-            return _zeros(element_t)
-        return result
-
-    return _per_placement(t, arg, total)
-
-
-# Type signature: sequence<T> -> T  (pointwise on {sequence<T>}@P)
-_define("sequence_sum", "(sequence<T> -> T)")((_seq_sum_rule, _seq_sum_impl))
-
-
-# The sparse aggregation family registers its entries in TABLE (a separate module only
-# to keep this one readable).
-from fedlang.core import sparse_intrinsics as _sparse_intrinsics  # noqa: E402, F401

@@ -9,27 +9,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
-from fedlang.core import types
+from fedlang.core import local, types
 
-
-@runtime_checkable
-class LocalComputation(Protocol):
-    """A placement-free computation supplied by a backend (e.g. JAX).
-
-    Runtimes call `invoke(arg)` with the internal form of the argument (None when
-    the computation takes no parameter) and get the internal form of the result.
-    `kind` names the backend; serialization looks the backend up by it.
-    """
-
-    kind: str
-    name: str
-    type_signature: types.FunctionType
-
-    def invoke(self, arg: Any) -> Any: ...
+LocalComputation = local.LocalComputation
 
 
 class Node(abc.ABC):

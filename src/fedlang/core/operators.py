@@ -2,7 +2,8 @@
 
 Each validates its arguments, applies TFF's conveniences (a struct of CLIENTS values
 is zipped implicitly; constants become literals) and records a call to the intrinsic
-of the same name in `intrinsics.TABLE`, whose type rule gives the result type.
+defined in `intrinsic_defs` (registered in `intrinsics.TABLE`), whose type rule gives
+the result type.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from typing import Any
 
 import numpy as np
 
+from fedlang.core import intrinsic_defs as defs
 from fedlang.core import intrinsics, ir, tracing, types
 
 CLIENTS, SERVER = types.CLIENTS, types.SERVER
 
 
-def _federated(value: Any, uri: str) -> tracing.Value:
+def _federated(value: Any) -> tracing.Value:
     """A federated Value; a struct of federated values is zipped first (as in TFF)."""
     v = tracing.to_value(value)
     t = v.type_signature
@@ -39,7 +41,7 @@ def federated_value(value: Any, placement: types.Placement) -> tracing.Value:
     Type signature: `(T -> T@P)` (all-equal at CLIENTS).
     """
     p = _placement(placement, "federated_value")
-    uri = "federated_value_at_server" if p is SERVER else "federated_value_at_clients"
+    uri = (defs.FEDERATED_VALUE_AT_SERVER if p is SERVER else defs.FEDERATED_VALUE_AT_CLIENTS).uri
     return intrinsics.call_intrinsic(uri, value)
 
 
@@ -49,7 +51,7 @@ def federated_eval(fn: Any, placement: types.Placement) -> tracing.Value:
     Type signature: `(( -> T) -> T@SERVER)` or `(( -> T) -> {T}@CLIENTS)`.
     """
     p = _placement(placement, "federated_eval")
-    uri = "federated_eval_at_server" if p is SERVER else "federated_eval_at_clients"
+    uri = (defs.FEDERATED_EVAL_AT_SERVER if p is SERVER else defs.FEDERATED_EVAL_AT_CLIENTS).uri
     return intrinsics.call_intrinsic(uri, fn)
 
 
@@ -58,7 +60,7 @@ def federated_broadcast(value: Any) -> tracing.Value:
 
     Type signature: `(T@SERVER -> T@CLIENTS)`.
     """
-    return intrinsics.call_intrinsic("federated_broadcast", value)
+    return intrinsics.call_intrinsic(defs.FEDERATED_BROADCAST.uri, value)
 
 
 def federated_map(fn: Any, value: Any) -> tracing.Value:
@@ -69,7 +71,7 @@ def federated_map(fn: Any, value: Any) -> tracing.Value:
     federated values, e.g. `(a, b)`, is zipped first. A polymorphic computation is
     concretized at the member type.
     """
-    v = _federated(value, "federated_map")
+    v = _federated(value)
     vt = v.type_signature
     if not isinstance(vt, types.FederatedType):
         raise TypeError(
@@ -79,12 +81,12 @@ def federated_map(fn: Any, value: Any) -> tracing.Value:
     fn_node = (
         tracing.ir_of(fn, vt.member) if not isinstance(fn, tracing.Value) else tracing.to_node(fn)
     )
-    return intrinsics.call_intrinsic("federated_map", (tracing.NodeRef(fn_node), v))
+    return intrinsics.call_intrinsic(defs.FEDERATED_MAP.uri, (tracing.NodeRef(fn_node), v))
 
 
 def federated_apply(fn: Any, value: Any) -> tracing.Value:
     """`federated_map` at the server: `(<(T -> U),T@SERVER> -> U@SERVER)`."""
-    v = _federated(value, "federated_apply")
+    v = _federated(value)
     if not (
         isinstance(v.type_signature, types.FederatedType) and v.type_signature.placement is SERVER
     ):
@@ -99,7 +101,7 @@ def federated_zip(value: Any) -> tracing.Value:
 
     Type signature: `(<{A}@CLIENTS,{B}@CLIENTS> -> {<A,B>}@CLIENTS)` (and at SERVER).
     """
-    return intrinsics.call_intrinsic("federated_zip", value)
+    return intrinsics.call_intrinsic(defs.FEDERATED_ZIP.uri, value)
 
 
 def federated_sum(value: Any) -> tracing.Value:
@@ -107,7 +109,7 @@ def federated_sum(value: Any) -> tracing.Value:
 
     Type signature: `({T}@CLIENTS -> T@SERVER)`.
     """
-    return intrinsics.call_intrinsic("federated_sum", _federated(value, "federated_sum"))
+    return intrinsics.call_intrinsic(defs.FEDERATED_SUM.uri, _federated(value))
 
 
 def federated_mean(value: Any, weight: Any = None) -> tracing.Value:
@@ -117,20 +119,20 @@ def federated_mean(value: Any, weight: Any = None) -> tracing.Value:
     `(<{T}@CLIENTS,{W}@CLIENTS> -> T@SERVER)` computing `sum(w*x) / sum(w)` (NaN when
     the weights sum to zero).
     """
-    v = _federated(value, "federated_mean")
+    v = _federated(value)
     if weight is None:
-        return intrinsics.call_intrinsic("federated_mean", v)
-    return intrinsics.call_intrinsic("federated_weighted_mean", (v, tracing.to_value(weight)))
+        return intrinsics.call_intrinsic(defs.FEDERATED_MEAN.uri, v)
+    return intrinsics.call_intrinsic(defs.FEDERATED_WEIGHTED_MEAN.uri, (v, tracing.to_value(weight)))
 
 
 def federated_min(value: Any) -> tracing.Value:
     """Elementwise minimum over clients: `({T}@CLIENTS -> T@SERVER)`."""
-    return intrinsics.call_intrinsic("federated_min", _federated(value, "federated_min"))
+    return intrinsics.call_intrinsic(defs.FEDERATED_MIN.uri, _federated(value))
 
 
 def federated_max(value: Any) -> tracing.Value:
     """Elementwise maximum over clients: `({T}@CLIENTS -> T@SERVER)`."""
-    return intrinsics.call_intrinsic("federated_max", _federated(value, "federated_max"))
+    return intrinsics.call_intrinsic(defs.FEDERATED_MAX.uri, _federated(value))
 
 
 def federated_aggregate(
@@ -143,7 +145,7 @@ def federated_aggregate(
     with `merge`, and the result finished with `report`. Polymorphic computations are
     concretized at the types implied by `zero` and the client values.
     """
-    v = _federated(value, "federated_aggregate")
+    v = _federated(value)
     vt = v.type_signature
     if not isinstance(vt, types.FederatedType):
         raise TypeError(f"federated_aggregate expects a value placed at CLIENTS, found {vt}.")
@@ -153,7 +155,7 @@ def federated_aggregate(
     mrg = tracing.ir_of(merge, types.StructType([zt, zt]))
     rep = tracing.ir_of(report, zt)
     return intrinsics.call_intrinsic(
-        "federated_aggregate",
+        defs.FEDERATED_AGGREGATE.uri,
         (v, z, tracing.NodeRef(acc), tracing.NodeRef(mrg), tracing.NodeRef(rep)),
     )
 
@@ -175,7 +177,7 @@ def federated_select(
     st = sv.type_signature
     member = st.member if isinstance(st, types.FederatedType) else st
     fn = tracing.ir_of(select_fn, types.StructType([member, types.TensorType(np.int32)]))
-    return intrinsics.call_intrinsic("federated_select", (keys, mx, sv, tracing.NodeRef(fn)))
+    return intrinsics.call_intrinsic(defs.FEDERATED_SELECT.uri, (keys, mx, sv, tracing.NodeRef(fn)))
 
 
 def _int_constant(x: Any, uri: str, what: str) -> Any:
@@ -202,7 +204,7 @@ def federated_secure_sum_bitwidth(value: Any, bitwidth: Any) -> tracing.Value:
     the sum is exact in a group of size `2^(bitwidth + ceil(log2(num_clients)))`.
     """
     b = _int_constant(bitwidth, "federated_secure_sum_bitwidth", "bitwidth")
-    return intrinsics.call_intrinsic("federated_secure_sum_bitwidth", (_federated(value, ""), b))
+    return intrinsics.call_intrinsic(defs.FEDERATED_SECURE_SUM_BITWIDTH.uri, (_federated(value), b))
 
 
 def federated_secure_modular_sum(value: Any, modulus: Any) -> tracing.Value:
@@ -211,7 +213,7 @@ def federated_secure_modular_sum(value: Any, modulus: Any) -> tracing.Value:
     Type signature: `(<{T}@CLIENTS,M> -> T@SERVER)`.
     """
     m = _int_constant(modulus, "federated_secure_modular_sum", "modulus")
-    return intrinsics.call_intrinsic("federated_secure_modular_sum", (_federated(value, ""), m))
+    return intrinsics.call_intrinsic(defs.FEDERATED_SECURE_MODULAR_SUM.uri, (_federated(value), m))
 
 
 def _seq_member(value: tracing.Value) -> types.Type:
@@ -229,7 +231,7 @@ def sequence_map(fn: Any, value: Any) -> tracing.Value:
     """
     v = tracing.to_value(value)
     return intrinsics.call_intrinsic(
-        "sequence_map", (tracing.NodeRef(tracing.ir_of(fn, _seq_member(v))), v)
+        defs.SEQUENCE_MAP.uri, (tracing.NodeRef(tracing.ir_of(fn, _seq_member(v))), v)
     )
 
 
@@ -243,12 +245,12 @@ def sequence_reduce(value: Any, zero: Any, op: Any) -> tracing.Value:
     zt = z.type_signature
     zero_member = zt.member if isinstance(zt, types.FederatedType) else zt
     fn = tracing.ir_of(op, types.StructType([zero_member, _seq_member(v)]))
-    return intrinsics.call_intrinsic("sequence_reduce", (v, z, tracing.NodeRef(fn)))
+    return intrinsics.call_intrinsic(defs.SEQUENCE_REDUCE.uri, (v, z, tracing.NodeRef(fn)))
 
 
 def sequence_sum(value: Any) -> tracing.Value:
     """Sums the elements of a sequence: `(sequence<T> -> T)`, pointwise when federated."""
-    return intrinsics.call_intrinsic("sequence_sum", tracing.to_value(value))
+    return intrinsics.call_intrinsic(defs.SEQUENCE_SUM.uri, tracing.to_value(value))
 
 
 def federated_select_field(value: tracing.Value, key: str | int) -> tracing.Value:
@@ -257,7 +259,7 @@ def federated_select_field(value: tracing.Value, key: str | int) -> tracing.Valu
     assert isinstance(t, types.FederatedType) and isinstance(t.member, types.StructType)
     param = ir.Reference("x", t.member)
     selector = ir.Lambda("x", t.member, ir.Selection(param, key))
-    return intrinsics.call_intrinsic("federated_map", (tracing.NodeRef(selector), value))
+    return intrinsics.call_intrinsic(defs.FEDERATED_MAP.uri, (tracing.NodeRef(selector), value))
 
 
 def federated_sparse_sum(value: Any, keep_sparse: bool = False) -> tracing.Value:
@@ -268,8 +270,8 @@ def federated_sparse_sum(value: Any, keep_sparse: bool = False) -> tracing.Value
     `({sparse<T[s]>}@CLIENTS -> sparse<T[s]>@SERVER)`, the union of the clients'
     indices with summed values (coalesced: unique, sorted indices).
     """
-    uri = "federated_sparse_sum_keep_sparse" if keep_sparse else "federated_sparse_sum"
-    return intrinsics.call_intrinsic(uri, _federated(value, "federated_sparse_sum"))
+    uri = (defs.SPARSE_SUM_KEEP_SPARSE if keep_sparse else defs.SPARSE_SUM).uri
+    return intrinsics.call_intrinsic(uri, _federated(value))
 
 
 def federated_sparse_mean(value: Any) -> tracing.Value:
@@ -280,5 +282,5 @@ def federated_sparse_mean(value: Any) -> tracing.Value:
     clients that sent that index (a client sending an index twice counts once).
     """
     return intrinsics.call_intrinsic(
-        "federated_sparse_mean", _federated(value, "federated_sparse_mean")
+        defs.SPARSE_MEAN.uri, _federated(value)
     )

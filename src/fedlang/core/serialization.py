@@ -49,7 +49,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from fedlang.core import computation, intrinsics, ir, sparse, structure, types
+from fedlang.core import computation, errors, intrinsics, ir, signing, sparse, structure, types
+from fedlang.core import intrinsic_defs as _standard_intrinsics  # noqa: F401 - fills the registry
 
 MAGIC = b"FEDL"
 FORMAT_VERSION = 1
@@ -81,12 +82,48 @@ _DTYPES.update(
 )
 
 
-class SerializationError(ValueError):
-    """Bytes that are not a valid fedlang serialization (or cannot be written as one)."""
+SerializationError = errors.SerializationError
 
 
-def _fail(expected: str, found: Any, fix: str = "") -> SerializationError:
-    return SerializationError(f"Expected {expected}, found {found}.{(' ' + fix) if fix else ''}")
+def malformed(expected: str, found: Any, fix: str = "") -> SerializationError:
+    """The error for bytes that are not what was expected: "Expected X, found Y." plus a fix."""
+    found = str(found)
+    end = "" if found.endswith(".") else "."
+    return SerializationError(f"Expected {expected}, found {found}{end}{(' ' + fix) if fix else ''}")
+
+
+# Whatever a parser raises on malformed input becomes a SerializationError (with the
+# original as its cause): callers handle one documented error type.
+_PARSER_ERRORS = (
+    TypeError,
+    ValueError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    RecursionError,
+    OverflowError,
+    AssertionError,
+    StopIteration,
+    struct.error,
+    UnicodeError,
+)
+
+
+class _Malformed:
+    """`with _Malformed(what):` turns a parser's exception into a `SerializationError`."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
+        # Returns None: an exception is never swallowed, only replaced.
+        if isinstance(error, _PARSER_ERRORS) and not isinstance(error, SerializationError):
+            raise malformed(
+                self.what, f"an error reading it: {type(error).__name__}: {error}"
+            ) from error
 
 
 # ----------------------------------------------------------------------------
@@ -103,17 +140,22 @@ def _pack(kind: int, header: dict[str, Any], blobs: list[bytes]) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def _unpack(data: Any, kind: int) -> tuple[dict[str, Any], list[bytes]]:
+def _check_bytes(data: Any) -> None:
+    # A caller's mistake (not bytes at all) is a TypeError, not malformed data.
     if not isinstance(data, bytes | bytearray | memoryview):
         raise TypeError(f"Expected bytes to deserialize, found {types.describe(data)}.")
+
+
+def _unpack(data: Any, kind: int) -> tuple[dict[str, Any], list[bytes]]:
+    _check_bytes(data)
     data = bytes(data)
     if len(data) < _PREFIX.size + 4:
-        raise _fail(f"at least {_PREFIX.size + 4} bytes of fedlang data", f"{len(data)} bytes")
+        raise malformed(f"at least {_PREFIX.size + 4} bytes of fedlang data", f"{len(data)} bytes")
     magic, version, found_kind, head_len = _PREFIX.unpack_from(data)
     if magic != MAGIC:
-        raise _fail(f"fedlang data starting with {MAGIC!r}", repr(magic[:4]))
+        raise malformed(f"fedlang data starting with {MAGIC!r}", repr(magic[:4]))
     if version > FORMAT_VERSION or version < 1:
-        raise _fail(
+        raise malformed(
             f"format version 1..{FORMAT_VERSION}",
             f"version {version}",
             "It was written by a newer fedlang; upgrade fedlang to read it."
@@ -122,51 +164,53 @@ def _unpack(data: Any, kind: int) -> tuple[dict[str, Any], list[bytes]]:
         )
     if found_kind != kind:
         what = _KIND_NAMES.get(found_kind, f"unknown kind {found_kind}")
-        raise _fail(f"{_KIND_NAMES[kind]} (kind {kind})", f"{what} (kind {found_kind})")
+        raise malformed(f"{_KIND_NAMES[kind]} (kind {kind})", f"{what} (kind {found_kind})")
     (crc,) = struct.unpack_from("<I", data, len(data) - 4)
     if crc != zlib.crc32(data[:-4]):
-        raise _fail(
+        raise malformed(
             f"checksum {zlib.crc32(data[:-4]):#010x}", f"{crc:#010x} (truncated or corrupted data)"
         )
     data = data[:-4]
     pos = _PREFIX.size + head_len
     if pos > len(data):
-        raise _fail(f"a {head_len}-byte header", f"{len(data) - _PREFIX.size} bytes")
+        raise malformed(f"a {head_len}-byte header", f"{len(data) - _PREFIX.size} bytes")
     try:
         header = json.loads(data[_PREFIX.size : pos].decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise _fail("a UTF-8 JSON header", f"invalid JSON ({e})") from None
+        raise malformed("a UTF-8 JSON header", f"invalid JSON ({e})") from None
     if not isinstance(header, dict):
-        raise _fail("a JSON object as the header", type(header).__name__)
-    count = _int(header.get("blobs"), "the blob count in the header")
+        raise malformed("a JSON object as the header", type(header).__name__)
+    count = check_int(header.get("blobs"), "the blob count in the header")
     blobs = []
     for i in range(count):
         if pos + 8 > len(data):
-            raise _fail(f"the length of blob {i} of {count}", "the end of the data")
+            raise malformed(f"the length of blob {i} of {count}", "the end of the data")
         (n,) = struct.unpack_from("<Q", data, pos)
         pos += 8
         if pos + n > len(data):
-            raise _fail(f"{n} bytes of blob {i}", f"{len(data) - pos} bytes")
+            raise malformed(f"{n} bytes of blob {i}", f"{len(data) - pos} bytes")
         blobs.append(data[pos : pos + n])
         pos += n
     if pos != len(data):
-        raise _fail("the checksum after the last blob", f"{len(data) - pos} more bytes")
+        raise malformed("the checksum after the last blob", f"{len(data) - pos} more bytes")
     return header, blobs
 
 
-def _int(x: Any, what: str, low: int = 0, high: int | None = None) -> int:
+def check_int(x: Any, what: str, low: int = 0, high: int | None = None) -> int:
     if not isinstance(x, int) or isinstance(x, bool) or x < low or (high is not None and x >= high):
         bound = f" in [{low}, {high})" if high is not None else f" >= {low}"
-        raise _fail(f"an integer{bound} for {what}", repr(x))
+        raise malformed(f"an integer{bound} for {what}", repr(x))
     return x
 
 
 def _get(obj: Any, key: str, kind: type | tuple[type, ...], what: str) -> Any:
     if not isinstance(obj, dict) or key not in obj:
-        raise _fail(f"{what} with a {key!r} entry", repr(obj)[:80])
+        raise malformed(f"{what} with a {key!r} entry", repr(obj)[:80])
     value = obj[key]
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise _fail(f"{key!r} of {what} to be {getattr(kind, '__name__', kind)}", repr(value)[:80])
+        raise malformed(
+            f"{key!r} of {what} to be {getattr(kind, '__name__', kind)}", repr(value)[:80]
+        )
     return value
 
 
@@ -209,43 +253,84 @@ class EncodeContext:
 
 
 class DecodeContext:
-    """Reads the type table and blobs while decoding; local codecs read through it."""
+    """Reads the type table and blobs while decoding; local codecs read through it.
 
-    def __init__(self, header: dict[str, Any], blobs: list[bytes]):
+    Every blob may be read once: the format never shares a buffer between two values,
+    so a value cannot decode to more tensor bytes than it holds (a "decompression bomb"
+    of many references to one large blob is refused). `max_bytes` bounds the decoded
+    tensor bytes further, for callers such as a server with a memory budget.
+
+    Attributes:
+      trusted: whether the bytes come from a source the caller trusts (its own, or
+        verified against a pinned key). Local codecs must not hand untrusted embedded
+        programs to a native parser in this process before checking them elsewhere.
+    """
+
+    def __init__(
+        self,
+        header: dict[str, Any],
+        blobs: list[bytes],
+        trusted: bool = False,
+        max_bytes: int | None = None,
+    ):
         self._types_json = _get(header, "types", list, "the header")
         self._types: dict[int, types.Type] = {}
         self._blobs = blobs
+        self._used: set[int] = set()
+        self.trusted = trusted
+        self.max_bytes = max_bytes
+        self.decoded_bytes = 0
 
     def blob(self, index: Any) -> bytes:
-        """The blob at `index` (validated)."""
-        return self._blobs[_int(index, "a blob index", 0, len(self._blobs))]
+        """The blob at `index` (validated; each blob may be read once)."""
+        i = check_int(index, "a blob index", 0, len(self._blobs))
+        if i in self._used:
+            raise malformed(
+                f"each blob to be used once (blob {i} is referenced twice)",
+                "a shared reference",
+                "The format never shares buffers; these bytes were crafted or damaged.",
+            )
+        self._used.add(i)
+        return self._blobs[i]
+
+    def account(self, nbytes: int) -> None:
+        """Counts `nbytes` of decoded data against `max_bytes`."""
+        self.decoded_bytes += nbytes
+        if self.max_bytes is not None and self.decoded_bytes > self.max_bytes:
+            raise malformed(
+                f"at most {self.max_bytes} decoded bytes (the caller's limit)",
+                f"more than {self.decoded_bytes} bytes",
+            )
 
     def type(self, index: Any) -> types.Type:
         """The type at `index` of the type table (validated)."""
-        i = _int(index, "a type index", 0, len(self._types_json))
+        i = check_int(index, "a type index", 0, len(self._types_json))
         if i not in self._types:
             try:
                 self._types[i] = _type_from_json(self._types_json[i])
             except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
                 if isinstance(e, SerializationError):
                     raise
-                raise _fail("a valid type", f"an invalid type ({e})") from None
+                raise malformed("a valid type", f"an invalid type ({e})") from None
         return self._types[i]
 
     def tensor(self, obj: Any, expected: types.TensorType | None = None) -> np.ndarray:
         name = _get(obj, "dtype", str, "a tensor")
         if name not in _DTYPES:
-            raise _fail(f"a tensor dtype in {sorted(_DTYPES)}", repr(name))
+            raise malformed(f"a tensor dtype in {sorted(_DTYPES)}", repr(name))
         dtype = _DTYPES[name]
-        shape = tuple(_int(d, "a tensor dimension") for d in _get(obj, "shape", list, "a tensor"))
+        shape = tuple(
+            check_int(d, "a tensor dimension") for d in _get(obj, "shape", list, "a tensor")
+        )
         buf = self.blob(obj.get("blob"))
         size = math.prod(shape) * dtype.itemsize
         if len(buf) != size:
-            raise _fail(f"{size} bytes for a {name}{list(shape)} tensor", f"{len(buf)} bytes")
+            raise malformed(f"{size} bytes for a {name}{list(shape)} tensor", f"{len(buf)} bytes")
         if expected is not None and (
             expected.dtype != dtype or not types._shape_assignable(expected.shape, shape)
         ):
-            raise _fail(f"a tensor of type {expected}", f"{name}{list(shape)}")
+            raise malformed(f"a tensor of type {expected}", f"{name}{list(shape)}")
+        self.account(size)
         if dtype == np.bool_:
             return (np.frombuffer(buf, np.uint8) != 0).reshape(shape)
         arr = np.frombuffer(buf, dtype).reshape(shape)
@@ -302,9 +387,9 @@ def _type_from_json(obj: Any) -> types.Type:
     if tag in ("tensor", "sparse"):
         name = _get(obj, "dtype", str, "a type")
         if name not in _DTYPES:
-            raise _fail(f"a dtype in {sorted(_DTYPES)}", repr(name))
+            raise malformed(f"a dtype in {sorted(_DTYPES)}", repr(name))
         shape = [
-            None if d is None else _int(d, "a dimension")
+            None if d is None else check_int(d, "a dimension")
             for d in _get(obj, "shape", list, "a type")
         ]
         cls = types.TensorType if tag == "tensor" else types.SparseTensorType
@@ -315,7 +400,7 @@ def _type_from_json(obj: Any) -> types.Type:
             if not (
                 isinstance(f, list) and len(f) == 2 and (f[0] is None or isinstance(f[0], str))
             ):
-                raise _fail("a [name or null, type] struct field", repr(f)[:80])
+                raise malformed("a [name or null, type] struct field", repr(f)[:80])
             fields.append((f[0], _type_from_json(f[1])))
         return types.StructType(
             fields, container=_container_from_json(obj.get("container"), fields)
@@ -325,7 +410,7 @@ def _type_from_json(obj: Any) -> types.Type:
     if tag == "federated":
         placement = _get(obj, "placement", str, "a federated type")
         if placement not in types.PLACEMENTS:
-            raise _fail(f"a placement in {sorted(types.PLACEMENTS)}", repr(placement))
+            raise malformed(f"a placement in {sorted(types.PLACEMENTS)}", repr(placement))
         all_equal = _get(obj, "all_equal", bool, "a federated type")
         return types.FederatedType(
             _type_from_json(obj.get("member")), types.PLACEMENTS[placement], all_equal
@@ -337,7 +422,7 @@ def _type_from_json(obj: Any) -> types.Type:
         )
     if tag == "placement":
         return types.PlacementType()
-    raise _fail(
+    raise malformed(
         "a type tag (tensor, sparse, struct, sequence, federated, function, placement)", repr(tag)
     )
 
@@ -351,7 +436,7 @@ def _container_from_json(obj: Any, fields: list[tuple[Any, Any]]) -> types.Conta
     if kind in ("dict", "list", "tuple"):
         return types.ContainerSpec(kind)
     if kind not in ("namedtuple", "dataclass"):
-        raise _fail("a container kind (dict, list, tuple, namedtuple, dataclass)", repr(kind))
+        raise malformed("a container kind (dict, list, tuple, namedtuple, dataclass)", repr(kind))
     cls = _existing_class(obj.get("module"), obj.get("qualname"))
     if cls is not None and (
         (
@@ -401,8 +486,10 @@ def serialize_type(type_spec: Any) -> bytes:
 
 def deserialize_type(data: bytes) -> types.Type:
     """Reads a type written by `serialize_type`; raises `SerializationError` if malformed."""
-    header, blobs = _unpack(data, KIND_TYPE)
-    return DecodeContext(header, blobs).type(header.get("type"))
+    _check_bytes(data)
+    with _Malformed("a serialized type"):
+        header, blobs = _unpack(data, KIND_TYPE)
+        return DecodeContext(header, blobs).type(header.get("type"))
 
 
 # ----------------------------------------------------------------------------
@@ -424,8 +511,8 @@ def _to_internal(value: Any, t: types.Type, path: str) -> Any:
         return structure.to_internal(value, t.member, path)
     if isinstance(t, types.StructType) and types.contains_federated(t):
         return tuple(
-            _to_internal(v, et, f"{path}{structure._field(n, i)}")
-            for i, (n, et, v) in enumerate(structure._match_fields(value, t, path))
+            _to_internal(v, et, f"{path}{structure.field_path(n, i)}")
+            for i, (n, et, v) in enumerate(structure.match_fields(value, t, path))
         )
     if isinstance(t, types.FunctionType | types.PlacementType):
         raise TypeError(f"Cannot serialize a value of type {t}; serialize the computation instead.")
@@ -459,7 +546,7 @@ def _decode_value(obj: Any, t: types.Type, ctx: DecodeContext) -> Any:
         return _decode_value(obj, t.member, ctx)
     if isinstance(t, types.StructType):
         if not isinstance(obj, list) or len(obj) != len(t):
-            raise _fail(f"a list of {len(t)} fields for a {t} value", repr(obj)[:80])
+            raise malformed(f"a list of {len(t)} fields for a {t} value", repr(obj)[:80])
         return tuple(_decode_value(x, et, ctx) for x, et in zip(obj, t.types))
     if isinstance(t, types.SequenceType):
         return [
@@ -470,14 +557,15 @@ def _decode_value(obj: Any, t: types.Type, ctx: DecodeContext) -> Any:
         indices = ctx.tensor(obj.get("indices"), types.TensorType(np.int64, [None, rank]))
         values = ctx.tensor(obj.get("values"), types.TensorType(t.dtype, [None]))
         shape = [
-            _int(d, "a dense dimension") for d in _get(obj, "dense_shape", list, "a sparse value")
+            check_int(d, "a dense dimension")
+            for d in _get(obj, "dense_shape", list, "a sparse value")
         ]
         if not types._shape_assignable(t.dense_shape, tuple(shape)):
-            raise _fail(f"a dense shape for {t}", shape)
+            raise malformed(f"a dense shape for {t}", shape)
         return sparse.SparseTensor(indices, values, shape)
     if isinstance(t, types.TensorType):
         return ctx.tensor(obj, t)
-    raise _fail("a value type (tensors, structs, sequences, federated values)", str(t))
+    raise malformed("a value type (tensors, structs, sequences, federated values)", str(t))
 
 
 def _to_python(v: Any, t: types.Type) -> Any:
@@ -512,23 +600,37 @@ def serialize_value(value: Any, type_spec: Any = None) -> bytes:
     )
 
 
-def deserialize_value(data: bytes) -> Any:
+def deserialize_value(
+    data: bytes, *, expected_type: Any = None, max_bytes: int | None = None
+) -> Any:
     """Reads a value written by `serialize_value`, in the containers its type remembers.
+
+    Safe on untrusted bytes: nothing is executed or imported, each buffer is read once
+    (so the decoded tensors never exceed the input's size), and every malformed input
+    raises `SerializationError`.
+
+    Args:
+      data: the bytes.
+      expected_type: if given, the value's type must be exactly this (anything
+        `fedlang.to_type` accepts); checked before any tensor is decoded.
+      max_bytes: if given, refuse values whose tensors exceed this many bytes.
 
     CLIENTS values come back as lists, tensors as NumPy arrays (scalars as NumPy scalars).
 
     Raises:
-      SerializationError: if the bytes are malformed, truncated or from a newer version.
+      SerializationError: if the bytes are malformed, truncated, from a newer version,
+        of another type than `expected_type`, or larger than `max_bytes`.
     """
-    header, blobs = _unpack(data, KIND_VALUE)
-    ctx = DecodeContext(header, blobs)
-    t = ctx.type(header.get("type"))
-    try:
+    _check_bytes(data)
+    with _Malformed("a serialized value"):
+        header, blobs = _unpack(data, KIND_VALUE)
+        ctx = DecodeContext(header, blobs, max_bytes=max_bytes)
+        t = ctx.type(header.get("type"))
+        if expected_type is not None:
+            want = types.to_type(expected_type)
+            if t != want:
+                raise malformed(f"a value of type {want}", f"a value of type {t}")
         return _to_python(_decode_value(header.get("value"), t, ctx), t)
-    except (TypeError, ValueError, KeyError, RecursionError) as e:
-        if isinstance(e, SerializationError):
-            raise
-        raise _fail(f"a valid value of type {t}", f"an invalid one ({e})") from None
 
 
 # ----------------------------------------------------------------------------
@@ -563,7 +665,7 @@ def register_local_codec(
 
 def _codec(kind: Any) -> _Codec:
     if kind not in _CODECS:
-        raise _fail(
+        raise malformed(
             f"a local computation kind registered with register_local_codec ({sorted(_CODECS)})",
             repr(kind),
             "Import the backend that defines it (importing fedlang registers 'jax').",
@@ -633,14 +735,16 @@ class _IREncoder:
 
 
 class _IRDecoder:
-    def __init__(self, header: dict[str, Any], blobs: list[bytes]):
-        self.ctx = DecodeContext(header, blobs)
+    def __init__(
+        self, header: dict[str, Any], blobs: list[bytes], trusted: bool, max_bytes: int | None
+    ):
+        self.ctx = DecodeContext(header, blobs, trusted, max_bytes)
         self.locals = []
         for entry in _get(header, "locals", list, "the header"):
             kind = _get(entry, "kind", str, "a local computation")
             local = _codec(kind).decode(_get(entry, "meta", dict, "a local computation"), self.ctx)
             if not isinstance(local, ir.LocalComputation):
-                raise _fail("a local computation from the codec", repr(local)[:80])
+                raise malformed("a local computation from the codec", repr(local)[:80])
             self.locals.append(local)
 
     def node(self, obj: Any, env: dict[str, types.Type]) -> ir.Node:
@@ -649,12 +753,12 @@ class _IRDecoder:
             name, t = _get(obj, "name", str, "a reference"), self.ctx.type(obj.get("type"))
             if name not in env or not t.is_assignable_from(env[name]):
                 found = f"bound to {env[name]}" if name in env else "unbound"
-                raise _fail(f"reference {name!r} of type {t} to be bound", found)
+                raise malformed(f"reference {name!r} of type {t} to be bound", found)
             return ir.Reference(name, t)
         if tag == "lambda":
             name, pt = obj.get("parameter"), obj.get("parameter_type")
             if name is not None and not isinstance(name, str):
-                raise _fail("a string or null lambda parameter name", repr(name))
+                raise malformed("a string or null lambda parameter name", repr(name))
             param_t = None if pt is None else self.ctx.type(pt)
             inner = env if name is None else {**env, name: param_t}
             return ir.Lambda(name, param_t, self.node(obj.get("result"), inner))  # type: ignore[arg-type]
@@ -662,7 +766,7 @@ class _IRDecoder:
             env, bound = dict(env), []
             for entry in _get(obj, "locals", list, "a block"):
                 if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
-                    raise _fail("a [name, node] block local", repr(entry)[:80])
+                    raise malformed("a [name, node] block local", repr(entry)[:80])
                 value = self.node(entry[1], env)
                 env[entry[0]] = value.type_signature
                 bound.append((entry[0], value))
@@ -673,15 +777,17 @@ class _IRDecoder:
             return ir.Call(fn, None if arg is None else self.node(arg, env))
         if tag == "selection":
             return ir.Selection(
-                self.node(obj.get("source"), env), _int(obj.get("index"), "a selection index")
+                self.node(obj.get("source"), env), check_int(obj.get("index"), "a selection index")
             )
         if tag == "struct":
             t = self.ctx.type(obj.get("type"))
             elements = _get(obj, "elements", list, "a struct node")
             if not all(isinstance(e, list) and len(e) == 2 for e in elements):
-                raise _fail("[name or null, node] struct elements", repr(elements)[:80])
+                raise malformed("[name or null, node] struct elements", repr(elements)[:80])
             if not isinstance(t, types.StructType) or [e[0] for e in elements] != list(t.names):
-                raise _fail(f"struct elements named like its type {t}", [e[0] for e in elements])
+                raise malformed(
+                    f"struct elements named like its type {t}", [e[0] for e in elements]
+                )
             return ir.Struct([(e[0], self.node(e[1], env)) for e in elements], t.container)
         if tag == "intrinsic":
             return _intrinsic(_get(obj, "uri", str, "an intrinsic"), self.ctx.type(obj.get("type")))
@@ -690,28 +796,30 @@ class _IRDecoder:
         if tag == "literal":
             t = self.ctx.type(obj.get("type"))
             if not isinstance(t, types.TensorType):
-                raise _fail("a tensor type for a literal", str(t))
+                raise malformed("a tensor type for a literal", str(t))
             return ir.Literal(self.ctx.tensor(obj.get("value"), t), t)
         if tag == "placement":
             name = obj.get("placement")
             if name not in types.PLACEMENTS:
-                raise _fail(f"a placement in {sorted(types.PLACEMENTS)}", repr(name))
+                raise malformed(f"a placement in {sorted(types.PLACEMENTS)}", repr(name))
             return ir.PlacementLiteral(types.PLACEMENTS[name])
         if tag == "local":
             return ir.Local(
-                self.locals[_int(obj.get("index"), "a local index", 0, len(self.locals))]
+                self.locals[check_int(obj.get("index"), "a local index", 0, len(self.locals))]
             )
-        raise _fail("an IR node tag", repr(tag))
+        raise malformed("an IR node tag", repr(tag))
 
 
 def _intrinsic(uri: str, t: types.Type) -> ir.Intrinsic:
     if uri not in intrinsics.TABLE:
-        raise _fail("an intrinsic in fedlang.core.intrinsics.TABLE", repr(uri), "Upgrade fedlang?")
+        raise malformed(
+            "an intrinsic in fedlang.core.intrinsics.TABLE", repr(uri), "Upgrade fedlang?"
+        )
     if not isinstance(t, types.FunctionType) or t.parameter is None:
-        raise _fail(f"a function type with a parameter for intrinsic {uri}", str(t))
+        raise malformed(f"a function type with a parameter for intrinsic {uri}", str(t))
     result = intrinsics.TABLE[uri].type_rule(t.parameter)
     if not t.result.is_assignable_from(result):
-        raise _fail(f"{uri} to have a result of type {result} for {t.parameter}", str(t.result))
+        raise malformed(f"{uri} to have a result of type {result} for {t.parameter}", str(t.result))
     return ir.Intrinsic(uri, t)
 
 
@@ -733,26 +841,53 @@ def serialize_computation(comp: computation.Computation) -> bytes:
     return _pack(KIND_COMPUTATION, header, enc.ctx.blobs)
 
 
-def deserialize_computation(data: bytes) -> computation.Computation:
+def deserialize_computation(
+    data: bytes,
+    *,
+    public_key: Any = None,
+    trusted: bool = False,
+    max_bytes: int | None = None,
+) -> computation.Computation:
     """Rebuilds a computation written by `serialize_computation`, in any process.
+
+    A computation embeds native programs (the JAX backend's StableHLO), which a damaged
+    or crafted file could use to crash or hijack the process that parses them. So bytes
+    are handed to a native parser here only when they are trusted:
+
+    * `public_key=...`: `data` must be signed (`fedlang.core.signing.sign`) by that
+      key's private half; the signature is checked before anything is parsed.
+    * `trusted=True`: the caller vouches for the bytes (it wrote them itself).
+    * otherwise each embedded program is first checked in a separate process (loaded,
+      compared with the declared types, compiled and run once on zeros); only if that
+      process survives and agrees is it loaded here. This costs a process start.
+
+    In every case each program's argument and result types must match the signature
+    it declares, and its custom calls must be on the backend's allow-list.
 
     Raises:
       SerializationError: if the bytes are malformed, truncated, from a newer version,
-        name an unknown intrinsic or backend, or do not type-check.
+        unsigned or signed by another key (with `public_key`), name an unknown
+        intrinsic or backend, do not type-check, or embed a program that fails its check.
     """
-    header, blobs = _unpack(data, KIND_COMPUTATION)
-    name = _get(header, "name", str, "the header")
-    names = _get(header, "parameter_names", list, "the header")
-    if not all(isinstance(n, str) for n in names):
-        raise _fail("parameter names to be strings", repr(names)[:80])
-    try:
-        root = _IRDecoder(header, blobs).node(header.get("ir"), {})
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as e:
-        if isinstance(e, SerializationError):
-            raise
-        raise _fail("IR that type-checks", f"an error rebuilding it: {e}") from None
-    if isinstance(root, ir.Lambda):
-        return computation.IRComputation(root, name, names)
-    if isinstance(root, ir.Local) and isinstance(root.computation, computation.Computation):
-        return root.computation
-    raise _fail("a Lambda or a local computation at the root of the IR", type(root).__name__)
+    _check_bytes(data)
+    if public_key is not None:
+        data = signing.verify(data, public_key)
+        trusted = True
+    elif signing.is_signed(data):
+        with _Malformed("a signed computation"):
+            data = bytes(data)[signing.ENVELOPE_SIZE :]
+    with _Malformed("a serialized computation"):
+        header, blobs = _unpack(data, KIND_COMPUTATION)
+        name = _get(header, "name", str, "the header")
+        names = _get(header, "parameter_names", list, "the header")
+        if not all(isinstance(n, str) for n in names):
+            raise malformed("parameter names to be strings", repr(names)[:80])
+        with _Malformed("IR that type-checks"):
+            root = _IRDecoder(header, blobs, trusted, max_bytes).node(header.get("ir"), {})
+        if isinstance(root, ir.Lambda):
+            return computation.IRComputation(root, name, names)
+        if isinstance(root, ir.Local) and isinstance(root.computation, computation.Computation):
+            return root.computation
+        raise malformed(
+            "a Lambda or a local computation at the root of the IR", type(root).__name__
+        )

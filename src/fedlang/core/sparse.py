@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 
 from fedlang.core import types
@@ -15,8 +14,8 @@ from fedlang.core import types
 class SparseTensor:
     """A sparse tensor: `indices[nnz, rank]` (int64), `values[nnz]`, and a static `dense_shape`.
 
-    It is a JAX pytree (indices and values are leaves, the dense shape is static), so it
-    flows through `jax.jit` and `jax.vmap` without being densified.
+    The JAX backend registers it as a pytree (indices and values are leaves, the dense
+    shape is static), so it flows through `jax.jit` and `jax.vmap` without being densified.
 
     Example:
       >>> st = SparseTensor([[0, 1], [2, 0]], [1.0, 2.0], (3, 2))
@@ -29,9 +28,9 @@ class SparseTensor:
     dense_shape: tuple[int, ...]
 
     def __init__(self, indices: Any, values: Any, dense_shape: Any):
-        if not isinstance(indices, jax.Array | jax.core.Tracer):
+        if not _is_backend_array(indices):
             indices = np.asarray(indices, dtype=np.int64).reshape(-1, len(tuple(dense_shape)))
-        if not isinstance(values, jax.Array | jax.core.Tracer):
+        if not _is_backend_array(values):
             values = np.asarray(values)
             if values.dtype == np.float64:
                 values = values.astype(np.float32)
@@ -58,25 +57,26 @@ class SparseTensor:
             out: Any = np.zeros(self.dense_shape, self.values.dtype)
             np.add.at(out, tuple(self.indices.T), self.values)
             return out
-        out = jax.numpy.zeros(self.dense_shape, self.values.dtype)
+        xp = self.values.__array_namespace__()  # jax.numpy, also for traced values
+        out = xp.zeros(self.dense_shape, self.values.dtype)
         return out.at[tuple(self.indices.T)].add(self.values)
 
+    @classmethod
+    def from_parts(cls, indices: Any, values: Any, dense_shape: Any) -> SparseTensor:
+        """A sparse tensor from its parts as they are (no validation or conversion).
 
-def _flatten(st: SparseTensor) -> tuple[tuple[Any, Any], tuple[int, ...]]:
-    return (st.indices, st.values), st.dense_shape
-
-
-def _unflatten(dense_shape: types.Shape, children: Any) -> SparseTensor:
-    # Bypasses __init__: inside JAX transformations the leaves may be tracers or
-    # placeholder objects that must not be validated or converted.
-    st = object.__new__(SparseTensor)
-    object.__setattr__(st, "indices", children[0])
-    object.__setattr__(st, "values", children[1])
-    object.__setattr__(st, "dense_shape", dense_shape)
-    return st
+        Backends use it to rebuild sparse values whose parts are traced placeholders.
+        """
+        st = object.__new__(cls)
+        object.__setattr__(st, "indices", indices)
+        object.__setattr__(st, "values", values)
+        object.__setattr__(st, "dense_shape", dense_shape)
+        return st
 
 
-jax.tree_util.register_pytree_node(SparseTensor, _flatten, _unflatten)
+def _is_backend_array(x: Any) -> bool:
+    """An array of a backend (e.g. a JAX array or tracer): kept as it is, never converted."""
+    return not isinstance(x, np.ndarray) and hasattr(x, "__array_namespace__")
 
 
 def coalesce(

@@ -1,4 +1,4 @@
-"""The sparse aggregation family, with explicit semantics (entries of `intrinsics.TABLE`).
+"""The sparse aggregation family, with explicit semantics (registered with `intrinsics.define`).
 
 Summing the three component tensors of COO values is never right (indices would be
 added). Instead:
@@ -28,7 +28,7 @@ from fedlang.core import intrinsics, sparse, types
 
 def _rule(uri: str, dense: bool, floating: bool) -> Callable[[types.Type], types.Type]:
     def rule(t: types.Type) -> types.Type:
-        v = intrinsics._fed(t, uri, types.CLIENTS)
+        v = intrinsics.expect_federated(t, uri, types.CLIENTS)
         leaves = types.tensor_leaves(v.member)
         if not leaves or not all(isinstance(x, types.SparseTensorType) for x in leaves):
             raise TypeError(
@@ -41,15 +41,16 @@ def _rule(uri: str, dense: bool, floating: bool) -> Callable[[types.Type], types
             if floating and x.dtype.kind not in "fc":  # type: ignore[attr-defined]
                 raise TypeError(f"{uri} expects floating-point values, found {x}.")
         if dense:
-            return types.FederatedType(_densify(v.member), types.SERVER)
+            return types.FederatedType(densify(v.member), types.SERVER)
         return types.FederatedType(v.member, types.SERVER)
 
     return rule
 
 
-def _densify(t: types.Type) -> types.Type:
+def densify(t: types.Type) -> types.Type:
+    """The dense type of the result of summing sparse values of type `t`."""
     if isinstance(t, types.StructType):
-        return types.StructType([(n, _densify(x)) for n, x in t.elements], container=t.container)
+        return types.StructType([(n, densify(x)) for n, x in t.elements], container=t.container)
     return types.TensorType(t.dtype, t.dense_shape)  # type: ignore[attr-defined]
 
 
@@ -92,26 +93,39 @@ def union_sum(
     return sparse.SparseTensor(idx, val, t.dense_shape)
 
 
+def _empty(dense: bool) -> Any:
+    def empty(member: types.Type) -> Any:
+        return _per_leaf(member, [], dense_sum if dense else union_sum)
+
+    return empty
+
+
 # Type signature: {sparse<T[s]>}@CLIENTS -> T[s]@SERVER  (scatter-add into a dense result)
-intrinsics._define("federated_sparse_sum", "({sparse<T[s]>}@CLIENTS -> T[s]@SERVER)")(
-    (
-        _rule("federated_sparse_sum", dense=True, floating=False),
-        lambda arg, t, rt: _per_leaf(t.member, arg, dense_sum),
-    )
+FEDERATED_SPARSE_SUM = intrinsics.define(
+    "federated_sparse_sum",
+    intrinsics.Kind.AGGREGATE,
+    "({sparse<T[s]>}@CLIENTS -> T[s]@SERVER)",
+    _rule("federated_sparse_sum", dense=True, floating=False),
+    lambda arg, t, rt: _per_leaf(cast(types.FederatedType, t).member, arg, dense_sum),
+    empty=_empty(dense=True),
 )
 # Type signature: {sparse<T[s]>}@CLIENTS -> sparse<T[s]>@SERVER  (union of indices, values summed)
-intrinsics._define(
-    "federated_sparse_sum_keep_sparse", "({sparse<T[s]>}@CLIENTS -> sparse<T[s]>@SERVER)"
-)(
-    (
-        _rule("federated_sparse_sum", dense=False, floating=False),
-        lambda arg, t, rt: _per_leaf(t.member, arg, union_sum),
-    )
+FEDERATED_SPARSE_SUM_KEEP_SPARSE = intrinsics.define(
+    "federated_sparse_sum_keep_sparse",
+    intrinsics.Kind.AGGREGATE,
+    "({sparse<T[s]>}@CLIENTS -> sparse<T[s]>@SERVER)",
+    _rule("federated_sparse_sum", dense=False, floating=False),
+    lambda arg, t, rt: _per_leaf(cast(types.FederatedType, t).member, arg, union_sum),
+    empty=_empty(dense=False),
 )
 # Type signature: {sparse<T[s]>}@CLIENTS -> sparse<T[s]>@SERVER  (per index: sum / number of clients sending it)
-intrinsics._define("federated_sparse_mean", "({sparse<T[s]>}@CLIENTS -> sparse<T[s]>@SERVER)")(
-    (
-        _rule("federated_sparse_mean", dense=False, floating=True),
-        lambda arg, t, rt: _per_leaf(t.member, arg, lambda lt, cs: union_sum(lt, cs, mean=True)),
-    )
+FEDERATED_SPARSE_MEAN = intrinsics.define(
+    "federated_sparse_mean",
+    intrinsics.Kind.AGGREGATE,
+    "({sparse<T[s]>}@CLIENTS -> sparse<T[s]>@SERVER)",
+    _rule("federated_sparse_mean", dense=False, floating=True),
+    lambda arg, t, rt: _per_leaf(
+        cast(types.FederatedType, t).member, arg, lambda lt, cs: union_sum(lt, cs, mean=True)
+    ),
+    empty=_empty(dense=False),
 )

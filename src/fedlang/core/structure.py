@@ -25,7 +25,13 @@ def _where(path: str) -> str:
 def _check_shape(arr: np.ndarray, t: types.TensorType, path: str) -> None:
     if not types._shape_assignable(t.shape, arr.shape):
         found = types.TensorType(arr.dtype, arr.shape)
-        raise TypeError(f"Expected a value of type {t}{_where(path)}, found {found}.")
+        hint = ""
+        if len(t.shape) == len(arr.shape) + 1 and types._shape_assignable(t.shape[1:], arr.shape):
+            hint = (
+                " It looks like one example where a batch of examples is expected: batch the "
+                "dataset (e.g. dataset.batch(20)) so that each element is a batch."
+            )
+        raise TypeError(f"Expected a value of type {t}{_where(path)}, found {found}.{hint}")
 
 
 def to_tensor(value: Any, t: types.TensorType, path: str = "") -> np.ndarray:
@@ -94,8 +100,8 @@ def to_internal(value: Any, t: types.Type, path: str = "") -> Any:
         return value
     if isinstance(t, types.StructType):
         return tuple(
-            to_internal(v, et, f"{path}{_field(n, i)}")
-            for i, (n, et, v) in enumerate(_match_fields(value, t, path))
+            to_internal(v, et, f"{path}{field_path(n, i)}")
+            for i, (n, et, v) in enumerate(match_fields(value, t, path))
         )
     if isinstance(t, types.SequenceType):
         if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
@@ -107,13 +113,16 @@ def to_internal(value: Any, t: types.Type, path: str = "") -> Any:
     raise TypeError(f"Cannot pass a Python value for type {t}{_where(path)}.")
 
 
-def _field(name: str | None, i: int) -> str:
+def field_path(name: str | None, i: int) -> str:
+    """How field `i` (named `name`, or not) is written in a path: `.name` or `[i]`."""
     return f".{name}" if name is not None else f"[{i}]"
 
 
-def _match_fields(
+def match_fields(
     value: Any, t: types.StructType, path: str
 ) -> list[tuple[str | None, types.Type, Any]]:
+    """`(name, type, value)` per field of `t`, taking the fields of a Python container by
+    name (dicts, namedtuples, dataclasses) or position; raises `TypeError` at `path`."""
     if (
         isinstance(value, tuple)
         and not types.is_namedtuple(value)
@@ -286,8 +295,8 @@ def from_container(value: Any, t: types.Type, path: str = "") -> Any:
     """Output of user JAX code -> internal form, checking its structure against `t`."""
     if isinstance(t, types.StructType):
         return tuple(
-            from_container(v, et, f"{path}{_field(n, i)}")
-            for i, (n, et, v) in enumerate(_match_fields(value, t, path))
+            from_container(v, et, f"{path}{field_path(n, i)}")
+            for i, (n, et, v) in enumerate(match_fields(value, t, path))
         )
     return value
 
@@ -318,7 +327,7 @@ def _unflatten(it: Iterator[Any], t: types.Type) -> Any:
         return tuple(_unflatten(it, et) for et in t.types)
     if isinstance(t, types.SparseTensorType):
         indices = next(it)
-        return sparse._unflatten(t.dense_shape, (indices, next(it)))
+        return sparse.SparseTensor.from_parts(indices, next(it), t.dense_shape)
     return next(it)
 
 

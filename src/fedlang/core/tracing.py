@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from fedlang.core import computation, context, ir, types
+from fedlang.core import computation, context, ir, local, types
 
 
 class TracingContext:
@@ -59,7 +59,9 @@ class TracingContext:
 
 
 def current_tracing_context(what: str) -> TracingContext:
-    ctx = context.get_context() if context._stack else None
+    """The trace being recorded on this thread; `what` names the caller in the error."""
+    stack = context.current_stack()
+    ctx = stack[-1] if stack else None
     if not isinstance(ctx, TracingContext):
         raise RuntimeError(
             f"{what} can only be used inside a @fedlang.federated_computation; "
@@ -230,6 +232,8 @@ def to_node(value: Any) -> ir.Node:
         return value.node
     if isinstance(value, computation.Computation):
         return value.to_ir()
+    if local.is_local(value):  # a backend's local computation that is not a Computation
+        return ir.Local(value)
     if isinstance(value, types.Placement):
         return ir.PlacementLiteral(value)
     if isinstance(value, bool | int | float | np.generic):

@@ -1,6 +1,8 @@
 """Runtimes that execute computations.
 
-`reference_context()` is the interpreter every other runtime is checked against.
+`reference_context()` is the interpreter every other runtime is checked against;
+`simulation_context()` the fast, memory-bounded one (the default). Each is a strategy
+table over the intrinsic registry (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ def reference_context(num_clients: int | None = None) -> Iterator[ReferenceConte
 
 
 @contextlib.contextmanager
-def simulation(
+def simulation_context(
     chunk_size: int | None = None,
     memory_budget: int = 512 << 20,
     strategy: str = "auto",
     num_clients: int | None = None,
     prefetch: bool = True,
-    vmap_width: int = 16,
+    vmap_width: int | None = None,
+    auto_budget_s: float = 1.0,
+    decision_cache: bool | str = True,
+    progress: bool | None = None,
 ) -> Iterator[SimulationContext]:
     """Runs computations called in the body on the simulation runtime.
 
@@ -38,22 +43,37 @@ def simulation(
       strategy: 'auto', 'loop', 'scan' or 'vmap' (how client datasets are reduced).
       num_clients: the cohort size when no CLIENTS-placed argument says.
       prefetch: stage the next chunk's data on a background thread.
-      vmap_width: clients vectorized together by the 'vmap' strategy.
+      vmap_width: clients vectorized together by the 'vmap' strategy (None: as many
+        as fit the chunk and the device's memory).
+      auto_budget_s: seconds 'auto' may spend timing candidates per decision.
+      decision_cache: where 'auto' remembers its decisions across runs (True: the
+        default file, a path, or False).
+      progress: say on stderr when 'auto' measures (None: when stderr is a terminal).
 
     Example:
       >>> import numpy as np, fedlang as fl
       >>> @fl.federated_computation(fl.type_at_clients(np.float32))
       ... def mean(x):
       ...   return fl.federated_mean(x)
-      >>> with fl.runtime.simulation(chunk_size=2):
+      >>> with fl.runtime.simulation_context(chunk_size=2):
       ...   print(mean([1.0, 2.0, 3.0]))
       2.0
     """
     ctx = SimulationContext(
-        Options(chunk_size, memory_budget, strategy, num_clients, prefetch, vmap_width)
+        Options(
+            chunk_size,
+            memory_budget,
+            strategy,
+            num_clients,
+            prefetch,
+            vmap_width,
+            auto_budget_s,
+            decision_cache,
+            progress,
+        )
     )
-    with _context.with_context(ctx):
-        yield ctx  # type: ignore[misc]
+    with ctx, _context.with_context(ctx):
+        yield ctx
 
 
 def set_default_context(ctx: _context.Context | None) -> None:

@@ -1,13 +1,18 @@
 """Chunk-by-chunk accumulators for the aggregation intrinsics.
 
 Each accumulator folds chunk values (see `chunks.py`) into a running partial result,
-so aggregating a cohort needs memory for one chunk, not the cohort. Results match the
-reference semantics in `fedlang.core.intrinsics` (sums of floats are reduced in
-float32 within a chunk and accumulated across chunks in float64).
+so aggregating a cohort needs memory for one chunk, not the cohort. The running result
+is also a value of its own (`partial()`, of type `partial_type`) that merges with
+another accumulator's (`merge`): runtimes that aggregate in several places (deployment
+clients and their server, Ray workers) fold clients where they are and merge partials. Results match the
+reference semantics in `fedlang.core.intrinsic_defs` (sums of floats are reduced in
+float32 within a chunk and accumulated across chunks in float64); with no clients
+each returns its intrinsic's `empty` value, given by the definition.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, cast
@@ -15,7 +20,7 @@ from typing import Any, cast
 import jax.numpy as jnp
 import numpy as np
 
-from fedlang.core import intrinsics, sparse, sparse_intrinsics, structure, types
+from fedlang.core import intrinsic_defs, intrinsics, sparse, sparse_intrinsics, structure, types
 from fedlang.runtime import chunks
 
 
@@ -32,8 +37,33 @@ def _acc_dtype(dt: np.dtype) -> Any:
     return np.float64 if dt.kind in "fc" else np.int64 if dt.kind in "iub" else dt
 
 
+Empty = Callable[[types.Type], Any]  # the result over no clients, from the member type
+
+
+def _widened(t: types.Type) -> types.Type:
+    """`t` with every tensor in its accumulation dtype (float64, complex128 or int64)."""
+    if isinstance(t, types.StructType):
+        return types.StructType([(n, _widened(x)) for n, x in t.elements], container=t.container)
+    assert isinstance(t, types.TensorType)  # the aggregation rules allow dense tensors only
+    wide = np.complex128 if t.dtype.kind == "c" else _acc_dtype(t.dtype)
+    return types.TensorType(wide, t.shape)
+
+
+def _struct(**fields: types.Type) -> types.StructType:
+    return types.StructType(list(fields.items()))
+
+
+_INT64 = types.TensorType(np.int64)
+_FLOAT64 = types.TensorType(np.float64)
+
+
 class Accumulator:
-    """Folds chunks with `add(cv, c)` and finishes with `result()` (internal value)."""
+    """Folds chunks with `add(cv, c)` and finishes with `result()` (internal value).
+
+    `partial()` is the running result as a value of `partial_type`, and `merge(p)` folds
+    in another accumulator's partial: `a.merge(b.partial())` then `a.result()` equals
+    one accumulator fed the chunks of both.
+    """
 
     def add(self, cv: Any, c: int) -> None:
         raise NotImplementedError
@@ -41,10 +71,20 @@ class Accumulator:
     def result(self) -> Any:
         raise NotImplementedError
 
+    @property
+    def partial_type(self) -> types.Type:
+        raise TypeError(f"{type(self).__name__} cannot be aggregated in parts.")
+
+    def partial(self) -> Any:
+        raise TypeError(f"{type(self).__name__} cannot be aggregated in parts.")
+
+    def merge(self, partial: Any) -> None:
+        raise TypeError(f"{type(self).__name__} cannot be aggregated in parts.")
+
 
 class Sum(Accumulator):
-    def __init__(self, member: types.Type):
-        self.member = member
+    def __init__(self, member: types.Type, empty: Empty):
+        self.member, self.empty = member, empty
         self.leaf_types = structure.leaf_types(member)
         self.total: list[Any] | None = None
 
@@ -58,20 +98,47 @@ class Sum(Accumulator):
         return out
 
     def add(self, cv: Any, c: int) -> None:
-        sums = self._chunk_sums(cv, c)
+        self._add_total(self._chunk_sums(cv, c))
+
+    def _add_total(self, sums: list[Any]) -> None:
         self.total = sums if self.total is None else [a + b for a, b in zip(self.total, sums)]
 
     def result(self) -> Any:
         if self.total is None:
-            return intrinsics._zeros(self.member)
+            return self.empty(self.member)
         return structure.unflatten(
             [t.astype(lt.dtype) for t, lt in zip(self.total, self.leaf_types)], self.member
         )
 
+    def _total_value(self) -> Any:
+        wide = _widened(self.member)
+        if self.total is None:
+            return structure.unflatten(
+                [
+                    np.zeros([d or 0 for d in lt.shape], lt.dtype)
+                    for lt in structure.leaf_types(wide)
+                ],
+                wide,
+            )
+        return structure.unflatten(list(self.total), wide)
+
+    @property
+    def partial_type(self) -> types.Type:
+        return _widened(self.member)
+
+    def partial(self) -> Any:
+        return self._total_value()
+
+    def merge(self, partial: Any) -> None:
+        self._merge_total(partial)
+
+    def _merge_total(self, total: Any) -> None:
+        self._add_total([np.asarray(x) for x in structure.flatten(total, _widened(self.member))])
+
 
 class Mean(Sum):
-    def __init__(self, member: types.Type):
-        super().__init__(member)
+    def __init__(self, member: types.Type, empty: Empty):
+        super().__init__(member, empty)
         self.count = 0
 
     def add(self, cv: Any, c: int) -> None:
@@ -79,19 +146,31 @@ class Mean(Sum):
         self.count += c
 
     def result(self) -> Any:
-        if self.total is None:
-            return intrinsics._nan(self.member)
+        if self.total is None or self.count == 0:
+            return self.empty(self.member)
         return structure.unflatten(
             [(t / self.count).astype(lt.dtype) for t, lt in zip(self.total, self.leaf_types)],
             self.member,
         )
 
+    @property
+    def partial_type(self) -> types.Type:
+        return _struct(total=_widened(self.member), count=_INT64)
+
+    def partial(self) -> Any:
+        return (self._total_value(), np.int64(self.count))
+
+    def merge(self, partial: Any) -> None:
+        total, count = partial
+        self._merge_total(total)
+        self.count += int(count)
+
 
 class WeightedMean(Sum):
     """sum(w * x) / sum(w); NaN when the weights sum to zero (as the reference)."""
 
-    def __init__(self, member: types.Type, weight_type: types.Type):
-        super().__init__(member)
+    def __init__(self, member: types.Type, weight_type: types.Type, empty: Empty):
+        super().__init__(member, empty)
         self.weight_type = weight_type
         self.weight_total = 0.0
 
@@ -110,12 +189,12 @@ class WeightedMean(Sum):
             else:
                 xj = jnp.asarray(x)
                 sums.append(np.asarray(jnp.tensordot(wj.astype(xj.dtype), xj, axes=1), np.float64))
-        self.total = sums if self.total is None else [a + b for a, b in zip(self.total, sums)]
+        self._add_total(sums)
         self.weight_total += float(w.sum())
 
     def result(self) -> Any:
         if self.total is None:
-            return intrinsics._nan(self.member)
+            return self.empty(self.member)
         with np.errstate(invalid="ignore", divide="ignore"):
             leaves = [
                 (t / self.weight_total).astype(lt.dtype)
@@ -123,14 +202,25 @@ class WeightedMean(Sum):
             ]
         return structure.unflatten(leaves, self.member)
 
+    @property
+    def partial_type(self) -> types.Type:
+        return _struct(total=_widened(self.member), weight=_FLOAT64)
+
+    def partial(self) -> Any:
+        return (self._total_value(), np.float64(self.weight_total))
+
+    def merge(self, partial: Any) -> None:
+        total, weight = partial
+        self._merge_total(total)
+        self.weight_total += float(weight)
+
 
 class Extremum(Accumulator):
-    def __init__(self, member: types.Type, is_min: bool):
-        self.member = member
+    def __init__(self, member: types.Type, is_min: bool, empty: Empty):
+        self.member, self.empty = member, empty
         self.leaf_types = structure.leaf_types(member)
         self.reduce = np.minimum if is_min else np.maximum
         self.jreduce = jnp.min if is_min else jnp.max
-        self.identity = intrinsics._dtype_max if is_min else intrinsics._dtype_min
         self.best: list[Any] | None = None
 
     def add(self, cv: Any, c: int) -> None:
@@ -140,19 +230,30 @@ class Extremum(Accumulator):
             np.asarray(x) if rep else np.asarray(self.jreduce(jnp.asarray(x), axis=0))
             for x, rep in _leaf_chunks(cv, self.member)
         ]
+        self._fold(vals)
+
+    def _fold(self, vals: list[Any]) -> None:
         self.best = (
             vals if self.best is None else [self.reduce(a, b) for a, b in zip(self.best, vals)]
         )
 
     def result(self) -> Any:
         if self.best is None:
-            leaves = [
-                np.full([d or 0 for d in lt.shape], self.identity(lt.dtype), lt.dtype)
-                for lt in self.leaf_types
-            ]
-        else:
-            leaves = [b.astype(lt.dtype) for b, lt in zip(self.best, self.leaf_types)]
+            return self.empty(self.member)
+        leaves = [b.astype(lt.dtype) for b, lt in zip(self.best, self.leaf_types)]
         return structure.unflatten(leaves, self.member)
+
+    @property
+    def partial_type(self) -> types.Type:
+        return _struct(best=self.member, seen=types.TensorType(np.bool_))
+
+    def partial(self) -> Any:
+        return (self.result(), np.bool_(self.best is not None))
+
+    def merge(self, partial: Any) -> None:
+        best, seen = partial
+        if bool(seen):
+            self._fold([np.asarray(x) for x in structure.flatten(best, self.member)])
 
 
 class Aggregate(Accumulator):
@@ -166,51 +267,113 @@ class Aggregate(Accumulator):
         merge: Any,
         report: Any,
         call: Callable,
+        zero_type: types.Type | None = None,
     ):
-        self.member, self.zero = member, zero
-        self.accumulate, self.merge, self.report, self.call = accumulate, merge, report, call
+        self.member, self.zero, self.zero_type = member, zero, zero_type
+        self.accumulate_fn, self.merge_fn, self.report_fn = accumulate, merge, report
+        self.call = call
         self.total: Any = None
+        self.count = 0
 
     def add(self, cv: Any, c: int) -> None:
         partial = self.zero
         for v in chunks.unstack(cv, self.member, c):
-            partial = self.call(self.accumulate, (partial, v))
-        self.total = partial if self.total is None else self.call(self.merge, (self.total, partial))
+            partial = self.call(self.accumulate_fn, (partial, v))
+        self._fold(partial)
+        self.count += c
+
+    def _fold(self, partial: Any) -> None:
+        self.total = (
+            partial if self.total is None else self.call(self.merge_fn, (self.total, partial))
+        )
 
     def result(self) -> Any:
         total = self.zero if self.total is None else self.total
-        return self.call(self.report, total)
+        return self.call(self.report_fn, total)
+
+    @property
+    def partial_type(self) -> types.Type:
+        if self.zero_type is None:
+            raise TypeError("This federated_aggregate was set up without its zero's type.")
+        return _struct(value=self.zero_type, count=_INT64)
+
+    def partial(self) -> Any:
+        return (self.zero if self.total is None else self.total, np.int64(self.count))
+
+    def merge(self, partial: Any) -> None:
+        value, count = partial
+        if int(count):
+            self._fold(value)
+            self.count += int(count)
 
 
 class ModularSum(Accumulator):
     """Exact integer sums of inputs wrapped modulo `wrap`, reduced modulo `modulus(n)` at the end."""
 
-    def __init__(self, member: types.Type, wrap: list[int], modulus: Callable[[int], list[int]]):
+    def __init__(
+        self,
+        member: types.Type,
+        wrap: list[int],
+        modulus: Callable[[int], list[int]],
+        partial_moduli: list[int] | None = None,
+    ):
         self.member, self.wrap, self.modulus = member, wrap, modulus
         self.leaf_types = structure.leaf_types(member)
         self.total: list[Any] | None = None
         self.count = 0
+        # Partials are kept modulo a multiple of every final modulus (2^64 for bit
+        # widths, whose group is 2^(b + ceil(log2 n)); the modulus itself otherwise).
+        self.partial_moduli = partial_moduli or [1 << 64] * len(self.leaf_types)
 
     def add(self, cv: Any, c: int) -> None:
         sums = []
         for i, (x, rep) in enumerate(_leaf_chunks(cv, self.member)):
-            wrapped = np.mod(np.asarray(x).astype(object), self.wrap[i])
+            wrapped = _mod(np.asarray(x).astype(object), self.wrap[i])
             sums.append(wrapped * c if rep else (wrapped.sum(axis=0) if c else 0))
-        self.total = sums if self.total is None else [a + b for a, b in zip(self.total, sums)]
+        self._add_total(sums)
         self.count += c
+
+    def _add_total(self, sums: list[Any]) -> None:
+        self.total = sums if self.total is None else [a + b for a, b in zip(self.total, sums)]
+
+    @property
+    def partial_type(self) -> types.Type:
+        totals = [types.TensorType(np.uint64, lt.shape) for lt in self.leaf_types]
+        return _struct(totals=types.StructType(totals), count=_INT64)
+
+    def partial(self) -> Any:
+        totals = []
+        for i, lt in enumerate(self.leaf_types):
+            total = 0 if self.total is None else self.total[i]
+            reduced = _mod(
+                np.asarray(total, dtype=object) + np.zeros([d or 0 for d in lt.shape], object),
+                self.partial_moduli[i],
+            )
+            totals.append(np.asarray(reduced.astype(np.uint64)))
+        return (tuple(totals), np.int64(self.count))
+
+    def merge(self, partial: Any) -> None:
+        totals, count = partial
+        self._add_total([np.asarray(x).astype(object) for x in totals])
+        self.count += int(count)
 
     def result(self) -> Any:
         moduli = self.modulus(self.count)
         leaves = []
         for i, lt in enumerate(self.leaf_types):
             total = 0 if self.total is None else self.total[i]
-            acc = np.mod(
+            acc = _mod(
                 np.asarray(total, dtype=object)
                 + np.zeros([d or 0 for d in lt.shape], dtype=object),
                 moduli[i],
             )
             leaves.append(np.asarray(acc.astype(np.int64)).astype(lt.dtype))
         return structure.unflatten(leaves, self.member)
+
+
+def _mod(values: Any, modulus: int) -> Any:
+    """`values mod modulus` exactly, for Python integers of any size (object arrays)."""
+    return np.asarray(np.mod(values, np.asarray(modulus, dtype=object)), dtype=object)
 
 
 def bitwidth_moduli(widths: list[int]) -> Callable[[int], list[int]]:
@@ -242,61 +405,82 @@ class SparseSum(Accumulator):
     `federated_sparse_mean`. Memory is the result's size, never the cohort's.
     """
 
-    def __init__(self, member: types.Type, mode: str):
-        self.member, self.mode, self.lib = member, mode, sparse_intrinsics
+    def __init__(self, member: types.Type, mode: str, empty: Empty):
+        self.member, self.mode, self.empty = member, mode, empty
         # the sparse intrinsics' type rules checked that every leaf is sparse
         self.leaves = cast("list[types.SparseTensorType]", types.tensor_leaves(member))
-        self.partial: list[Any] | None = None
+        self.running: list[Any] | None = None
+
+    def _client_leaves(self, value: Any) -> list[sparse.SparseTensor]:
+        flat = structure.flatten(value, self.member)  # (indices, values) per sparse leaf
+        return [
+            sparse.SparseTensor.from_parts(flat[2 * i], flat[2 * i + 1], lt.dense_shape)
+            for i, lt in enumerate(self.leaves)
+        ]
 
     def add(self, cv: Any, c: int) -> None:
-        clients = chunks.unstack(cv, self.member, c)
-        flat_clients = [_sparse_leaves(v, self.member) for v in clients]
+        flat_clients = [self._client_leaves(v) for v in chunks.unstack(cv, self.member, c)]
         parts: list[Any] = []
         for i, lt in enumerate(self.leaves):
             sts = [fc[i] for fc in flat_clients]
             if self.mode == "dense":
-                parts.append(self.lib.dense_sum(lt, sts))
+                parts.append(sparse_intrinsics.dense_sum(lt, sts))
             else:
                 parts.append(_union(lt, sts))
-        if self.partial is None:
-            self.partial = parts
+        self._merge_parts(parts)
+
+    def _merge_parts(self, parts: list[Any]) -> None:
+        if self.running is None:
+            self.running = parts
         elif self.mode == "dense":
-            self.partial = [a + b for a, b in zip(self.partial, parts)]
+            self.running = [a + b for a, b in zip(self.running, parts)]
         else:
-            self.partial = [_merge(a, b) for a, b in zip(self.partial, parts)]
+            self.running = [_merge(a, b) for a, b in zip(self.running, parts)]
 
     def result(self) -> Any:
-        out = []
-        for i, lt in enumerate(self.leaves):
-            if self.mode == "dense":
-                out.append(
-                    np.zeros(cast("tuple[int, ...]", lt.dense_shape), lt.dtype)
-                    if self.partial is None
-                    else self.partial[i]
-                )
-                continue
-            idx, val, cnt = self.partial[i] if self.partial is not None else _union(lt, [])
+        if self.running is None:
+            return self.empty(self.member)
+        if self.mode == "dense":
+            return structure.unflatten(self.running, sparse_intrinsics.densify(self.member))
+        flat = []
+        for idx, val, cnt in self.running:
             if self.mode == "mean":
-                val = (val / np.maximum(cnt, 1)).astype(lt.dtype)
-            out.append(sparse_tensor(idx, val, lt.dense_shape))
-        return _rebuild(out, self.member)
+                val = (val / np.maximum(cnt, 1)).astype(val.dtype)
+            flat += [idx, val]
+        return structure.unflatten(flat, self.member)
 
+    @property
+    def partial_type(self) -> types.Type:
+        if self.mode == "dense":
+            return sparse_intrinsics.densify(self.member)
+        return types.StructType(
+            [
+                types.StructType(
+                    [
+                        ("indices", types.TensorType(np.int64, [None, len(lt.dense_shape)])),
+                        ("values", types.TensorType(lt.dtype, [None])),
+                        ("counts", types.TensorType(np.int64, [None])),
+                    ]
+                )
+                for lt in self.leaves
+            ]
+        )
 
-def _sparse_leaves(value: Any, t: types.Type) -> list[Any]:
-    if isinstance(t, types.StructType):
-        return [x for v, et in zip(value, t.types) for x in _sparse_leaves(v, et)]
-    return [value]
+    def partial(self) -> Any:
+        if self.mode == "dense":
+            if self.running is None:
+                return intrinsics.zeros(self.partial_type)
+            return structure.unflatten(self.running, self.partial_type)
+        parts = self.running or [_union(lt, []) for lt in self.leaves]
+        return tuple(tuple(p) for p in parts)
 
-
-def _rebuild(leaves: list[Any], t: types.Type) -> Any:
-    it = iter(leaves)
-
-    def build(tt: types.Type) -> Any:
-        if isinstance(tt, types.StructType):
-            return tuple(build(x) for x in tt.types)
-        return next(it)
-
-    return build(t)
+    def merge(self, partial: Any) -> None:
+        if self.mode == "dense":
+            self._merge_parts(
+                [np.asarray(x) for x in structure.flatten(partial, self.partial_type)]
+            )
+        else:
+            self._merge_parts([tuple(np.asarray(x) for x in p) for p in partial])
 
 
 def _union(lt: Any, sts: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -321,5 +505,92 @@ def _merge(a: tuple, b: tuple) -> tuple:
     )
 
 
-def sparse_tensor(indices: Any, values: Any, dense_shape: Any) -> Any:
-    return sparse.SparseTensor(indices, values, dense_shape)
+# ----------------------------------------------------------------------------
+# The registry: how each aggregation intrinsic is accumulated, for every runtime
+#
+# An aggregation's argument splits into the clients' part (what each client feeds the
+# accumulator: the value, or for a weighted mean the pair <value, weight>) and server
+# arguments (federated_aggregate's zero and functions, a secure sum's bounds), which
+# are concrete when the accumulator is made.
+
+# Which part of the argument each client feeds the accumulator: the whole argument,
+# its first element, or the zip of its two CLIENTS elements.
+WHOLE, FIRST, ZIPPED = "whole", "first", "zipped"
+
+Factory = Callable[[Any, types.Type, tuple, Callable], Accumulator]
+
+
+@dataclasses.dataclass(frozen=True)
+class Aggregation:
+    """How an aggregation intrinsic is accumulated.
+
+    Attributes:
+      clients: WHOLE, FIRST or ZIPPED (see above).
+      make: `make(definition, parameter_type, server_args, call) -> Accumulator`, where
+        `server_args` are the concrete non-client elements of the argument and `call`
+        applies a function value to an internal argument.
+    """
+
+    clients: str
+    make: Factory
+
+    def client_type(self, parameter_type: types.Type) -> types.Type:
+        """The type of what one client feeds the accumulator."""
+        if self.clients == WHOLE:
+            return cast(types.FederatedType, parameter_type).member
+        elements = cast(types.StructType, parameter_type).types
+        if self.clients == FIRST:
+            return cast(types.FederatedType, elements[0]).member
+        return types.StructType([cast(types.FederatedType, e).member for e in elements])
+
+    def server_args(self, arg: Any) -> tuple:
+        """The non-client elements of an argument (empty unless FIRST)."""
+        return tuple(arg[1:]) if self.clients == FIRST else ()
+
+
+def _member(t: types.Type) -> types.Type:
+    return cast(types.FederatedType, t).member
+
+
+def _secure(d: Any, t: types.Type, server_args: tuple, call: Callable) -> Accumulator:
+    arg_t = cast(types.StructType, t)
+    member = _member(arg_t.types[0])
+    bounds = intrinsic_defs.secure_bounds(server_args[0], arg_t.types[1], member)
+    if d is intrinsic_defs.FEDERATED_SECURE_MODULAR_SUM:
+        return ModularSum(member, bounds, lambda n: bounds, bounds)
+    return ModularSum(member, [2**b for b in bounds], bitwidth_moduli(bounds))
+
+
+def _aggregate(d: Any, t: types.Type, server_args: tuple, call: Callable) -> Accumulator:
+    arg_t = cast(types.StructType, t)
+    zero, acc, merge, report = server_args
+    return Aggregate(_member(arg_t.types[0]), zero, acc, merge, report, call, arg_t.types[1])
+
+
+def _weighted(d: Any, t: types.Type, server_args: tuple, call: Callable) -> Accumulator:
+    values_t, weights_t = cast(types.StructType, t).types
+    return WeightedMean(_member(values_t), _member(weights_t), d.empty)
+
+
+def _sparse(mode: str) -> Factory:
+    return lambda d, t, server_args, call: SparseSum(_member(t), mode, d.empty)
+
+
+_defs = intrinsic_defs
+AGGREGATIONS: dict[str, Aggregation] = {
+    _defs.FEDERATED_SUM.uri: Aggregation(WHOLE, lambda d, t, a, c: Sum(_member(t), d.empty)),
+    _defs.FEDERATED_MEAN.uri: Aggregation(WHOLE, lambda d, t, a, c: Mean(_member(t), d.empty)),
+    _defs.FEDERATED_WEIGHTED_MEAN.uri: Aggregation(ZIPPED, _weighted),
+    _defs.FEDERATED_MIN.uri: Aggregation(
+        WHOLE, lambda d, t, a, c: Extremum(_member(t), True, d.empty)
+    ),
+    _defs.FEDERATED_MAX.uri: Aggregation(
+        WHOLE, lambda d, t, a, c: Extremum(_member(t), False, d.empty)
+    ),
+    _defs.FEDERATED_AGGREGATE.uri: Aggregation(FIRST, _aggregate),
+    _defs.FEDERATED_SECURE_SUM_BITWIDTH.uri: Aggregation(FIRST, _secure),
+    _defs.FEDERATED_SECURE_MODULAR_SUM.uri: Aggregation(FIRST, _secure),
+    _defs.SPARSE_SUM.uri: Aggregation(WHOLE, _sparse("dense")),
+    _defs.SPARSE_SUM_KEEP_SPARSE.uri: Aggregation(WHOLE, _sparse("sum")),
+    _defs.SPARSE_MEAN.uri: Aggregation(WHOLE, _sparse("mean")),
+}

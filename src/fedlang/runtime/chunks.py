@@ -58,35 +58,11 @@ def unstack(cv: Any, t: types.Type, c: int) -> list[Any]:
     return [row(cv, t, i) for i in range(c)]
 
 
-def head(cv: Any, t: types.Type, k: int) -> Any:
-    """The first `k` clients of a chunk value (drops padding)."""
-    if isinstance(cv, Rep):
-        return cv
-    if isinstance(t, types.StructType):
-        return tuple(head(x, et, k) for x, et in zip(cv, t.types))
-    return cv[:k]
-
-
 def select(cv: Any, index: int) -> Any:
     """Field `index` of a struct chunk value."""
     if isinstance(cv, Rep):
         return Rep(cv.value[index])
     return cv[index]
-
-
-def is_rep(cv: Any, t: types.Type) -> bool:
-    if isinstance(cv, Rep):
-        return True
-    if isinstance(t, types.StructType):
-        return all(is_rep(x, et) for x, et in zip(cv, t.types))
-    return False
-
-
-def unrep(cv: Any, t: types.Type) -> Any:
-    """The single value of an all-`Rep` chunk value."""
-    if isinstance(cv, Rep):
-        return cv.value
-    return tuple(unrep(x, et) for x, et in zip(cv, t.types))  # type: ignore[attr-defined]
 
 
 def leaves_with_axes(cv: Any, t: types.Type) -> tuple[list[Any], list[int | None]]:

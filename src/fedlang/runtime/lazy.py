@@ -194,11 +194,12 @@ class FromThunk(ClientsValue):
 
 
 class Counted(ClientsValue):
-    """`fn()` evaluated at each client (`federated_eval` at CLIENTS)."""
+    """`fn()` evaluated at each client (`federated_eval` at CLIENTS); `call(fn, None)` runs it."""
 
-    def __init__(self, fn: Callable[[], Any], member: types.Type):
+    def __init__(self, fn: Any, call: Callable[[Any, Any], Any], member: types.Type):
         self.fn = fn
+        self.call = call
         self.member = member
 
     def _chunk(self, start: int, stop: int, cache: dict[int, Any]) -> Any:
-        return chunks.stack([self.fn() for _ in range(start, stop)], self.member)
+        return chunks.stack([self.call(self.fn, None) for _ in range(start, stop)], self.member)

@@ -5,67 +5,101 @@ chunk (broadcast arguments are not copied: their vmap axis is None). With a data
 each client's reduce is run by one of these strategies:
 
 * ``loop``: a host loop of jitted steps, streaming the client's batches (any size);
-* ``scan``: consecutive batches of equal shape are stacked and folded by jitted
-  `lax.scan` programs over power-of-two segment lengths (a client with 13 batches
-  runs segments of 8, 4 and 1), so a run compiles a handful of programs and a client
-  costs a few dispatches instead of one per batch. Batches are pulled in windows
+* ``scan``: consecutive batches of equal shape are stacked into segments of at most
+  `MAX_SEGMENT` batches and folded by one jitted loop per segment, whose length is
+  rounded up to a power of two (at least `MIN_SEGMENT`) and whose true number of
+  batches is an argument: a run compiles one program per length bucket, never one per
+  client length, and no padding batch is computed. Batches are pulled in windows
   bounded by the memory budget, so a client larger than memory still streams.
+* ``vmap``: clients vectorized in groups (`vmap_exec`).
 
-``auto`` times both on the first clients of each program shape and keeps the faster
-(the issue's measurements show that which one wins depends on model and device).
-Either way the fold is exact: no padding enters the user's step function.
+For a masked reduce (`dataset.reduce(..., masked=True)`) every batch is padded, with
+mask 0, to the largest batch size the computation has seen, so a client's smaller last
+batch compiles nothing new: the number of programs a run compiles is bounded by the
+number of length buckets, whatever the clients' sizes.
+
+``auto`` measures the candidates on a small probe within a time budget and remembers
+the decision per program shape and device, also across runs (`autotune`). Either way
+the fold is exact: no padding enters an unmasked step function.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
+import functools
 import itertools
-import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
 from jax import lax
 
-from fedlang.core import jax_computation as jax_backend
-from fedlang.core import structure
-from fedlang.runtime import chunks, vmap_exec
+from fedlang.core import local, structure, types
+from fedlang.runtime import autotune, chunks, counters, vmap_exec
 
 STRATEGIES = ("auto", "loop", "scan", "vmap")
 
+MIN_SEGMENT = 8  # the shortest scan segment (shorter runs are padded up to it)
+MAX_SEGMENT = 64  # the longest; longer clients run several segments
+PROBE_BATCHES = 8  # batches of one client on which 'auto' times loop against scan
+PROBE_CLIENTS, PROBE_CLIENT_BATCHES = 4, 4  # clients x batches for vmap vs per client
 
-@dataclasses.dataclass
-class Choice:
-    strategy: str
-    seconds_per_batch: dict[str, float]
+Choice = autotune.Choice
 
 
 class LocalRunner:
-    """Executes local JAX computations over chunks; remembers the strategy it picked."""
+    """Executes local JAX computations over chunks; remembers the strategy it picked.
+
+    Args:
+      strategy: one of `STRATEGIES`.
+      memory_budget: bytes of one client's batches held at once (scan windows).
+      devices: the JAX devices chunks are spread over (default: all local devices).
+      vmap_width: clients per vectorized group; None picks the widest that fits the
+        chunk and the device's memory.
+      tuner: how 'auto' measures and remembers (default: in memory, 1 s budget).
+    """
 
     def __init__(
         self,
         strategy: str = "auto",
         memory_budget: int = 256 << 20,
         devices: list | None = None,
-        vmap_width: int = 16,
+        vmap_width: int | None = None,
+        tuner: autotune.Tuner | None = None,
     ):
         if strategy not in STRATEGIES:
             raise ValueError(f"Unknown strategy {strategy!r}; expected one of {STRATEGIES}.")
         self.strategy = strategy
         self.vmap_width = vmap_width
         self.memory_budget = memory_budget
-        self.devices = devices or jax.local_devices()
-        self.choices: dict[Any, Choice] = {}
+        self._devices = devices
+        self.tuner = tuner or autotune.Tuner(cache=False)
+        self._batch_sizes: dict[Hashable, int] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
+
+    @property
+    def choices(self) -> dict[Any, Choice]:
+        """The decisions 'auto' took (or read from the decision file) in this process."""
+        return self.tuner.choices
+
+    @property
+    def devices(self) -> list:
+        """The JAX devices chunks are spread over (looked up on first use: no backend
+        starts before a computation runs)."""
+        if self._devices is None:
+            self._devices = jax.local_devices()
+        return self._devices
+
+    def close(self) -> None:
+        """Stops the device worker threads (a later run starts them again)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     # -- without a dataset: one vmap over the chunk ---------------------------------------
 
-    def map_chunk(self, comp: jax_backend.JaxLocal, cv: Any, c: int) -> Any:
+    def map_chunk(self, comp: local.LocalProgram, cv: Any, c: int) -> Any:
         """Applies `comp` to each client of chunk value `cv`; returns a chunk value."""
         param_t = comp.type_signature.parameter
         result_t = comp.type_signature.result
@@ -81,14 +115,14 @@ class LocalRunner:
                 [comp.invoke(chunks.row(cv, param_t, i)) for i in range(c)], result_t
             )
         if all(a is None for a in axes):
-            return chunks.Rep(structure.unflatten(comp._run("fn", leaves), result_t))
+            return chunks.Rep(structure.unflatten(comp.run("fn", leaves), result_t))
         if not comp.can_vmap:
             return chunks.stack(
                 [comp.invoke(chunks.row(cv, param_t, i)) for i in range(c)], result_t
             )
         key = ("vmap", tuple(axes))
         prog = comp.program(
-            key, lambda: jax.jit(jax.vmap(comp.trace_fn("fn"), in_axes=tuple(axes)))
+            key, lambda: jax.jit(jax.vmap(comp.part("fn"), in_axes=tuple(axes)))
         )
         if len(self.devices) == 1 or c < 2 * len(self.devices):
             return structure.unflatten(prog(*leaves), result_t)
@@ -106,34 +140,61 @@ class LocalRunner:
 
     # -- with a dataset: per-client reduce strategies -----------------------------------------
 
-    def _map_with_dataset(self, comp: jax_backend.JaxLocal, cv: Any, c: int) -> Any:
+    def _map_with_dataset(self, comp: local.LocalProgram, cv: Any, c: int) -> Any:
         vectorizable = comp.can_vmap and comp.uses_reduce
         if self.strategy == "vmap" and vectorizable:
-            return vmap_exec.map_vmapped(comp, cv, c, self.vmap_width, _pad_to)
-        if self.strategy == "auto" and vectorizable and c >= 4:
-            picked = self._choose_width(comp, cv, c)
-            if picked is not None:
-                return picked
+            return self._vmapped(comp, cv, c)
+        if (
+            self.strategy == "auto"
+            and vectorizable
+            and c >= PROBE_CLIENTS
+            and self._choose_width(comp, cv, c) == "vmap"
+        ):
+            return self._vmapped(comp, cv, c)
         return self._map_per_client(comp, cv, c)
 
-    def _map_per_client(self, comp: Any, cv: Any, c: int) -> Any:
+    def _vmapped(
+        self, comp: Any, cv: Any, c: int, streams: list[Any] | None = None, rows: int | None = None
+    ) -> Any:
+        return vmap_exec.map_vmapped(
+            comp,
+            cv,
+            c,
+            self.vmap_width or c,
+            self._group_bytes(),
+            lambda batches: self.pad_batches(comp, batches),
+            streams,
+            rows,
+        )
+
+    def _group_bytes(self) -> int:
+        """Bytes of client batches one vectorized group may stage on its device."""
+        limit = None
+        try:
+            stats = self.devices[0].memory_stats()
+            limit = stats.get("bytes_limit") if stats else None
+        except (AttributeError, NotImplementedError, RuntimeError):
+            pass
+        return int(limit) // 8 if limit else self.memory_budget
+
+    def _map_per_client(self, comp: Any, cv: Any, c: int, streams: list[Any] | None = None) -> Any:
         param_t = comp.type_signature.parameter
         result_t = comp.type_signature.result
 
-        def client(i: int, device: Any = None) -> Any:
+        def client(i: int, device: Any = None) -> list[Any]:
             args = comp.split_arg(chunks.row(cv, param_t, i))
             leaves = comp.arg_leaves(args)
             if device is not None:
                 leaves = [jax.device_put(x, device) for x in leaves]
-            stream = args[comp.seq_index]  # type: ignore[index]
+            stream = args[comp.seq_index] if streams is None else streams[i]
             out = self.run_client(comp, leaves, stream)
             if device is not None:  # results on several devices meet on the host
                 out = [np.asarray(x) for x in out]
-            # On one device results stay device arrays: no wait per client, one stack per chunk.
-            return structure.unflatten(out, result_t)
+            return list(out)
 
         if len(self.devices) == 1 or c < 2:
-            return chunks.stack([client(i) for i in range(c)], result_t)
+            # Results stay device arrays: no wait per client, one gather per chunk.
+            return _gather([client(i) for i in range(c)], result_t, self.devices[0].platform)
         # Several devices: one worker thread per device takes clients round-robin. JAX
         # releases the GIL while a program runs, so devices (or CPU cores) work in parallel.
         nd = len(self.devices)
@@ -146,36 +207,64 @@ class LocalRunner:
         for k, fut in enumerate(futures):
             for j, out in zip(range(k, c, nd), fut.result()):
                 results[j] = out
-        return chunks.stack(results, result_t)
+        return _gather(results, result_t, "cpu")
 
-    def _choose_width(self, comp: Any, cv: Any, c: int) -> Any:
-        """With 'auto': on the first chunk of each computation, time vmapped groups against
-        clients one at a time (on a few clients, after compiling both) and keep the faster.
-        Returns the chunk's result when vmap was picked, else None (run per client)."""
-        key = ("width", id(comp), self.devices[0].platform)
-        if key in self.choices:
-            if self.choices[key].strategy != "vmap":
-                return None
-            return vmap_exec.map_vmapped(comp, cv, c, self.vmap_width, _pad_to)
-        n = min(c, 8)
-        probe = chunks.take(cv, comp.type_signature.parameter, list(range(n)))
-        if not all(getattr(s, "replayable", False) for s in _streams(comp, probe, n)):
-            # Timing would consume one-shot streams (clients would lose batches): decide on
-            # a later chunk whose first clients' data can be read twice.
+    def _choose_width(self, comp: Any, cv: Any, c: int) -> str:
+        """With 'auto': vectorized groups ('vmap') or one client at a time ('per-client'),
+        decided once per computation and device on a probe of a few clients' first few
+        batches (never on one-shot streams: those clients would lose the batches read)."""
+        device = self.devices[0]
+        key = ("width", comp.cache_key, device.platform)
+        # Taken on the calling thread without the tuner's lock: measuring per-client runs
+        # uses the device threads, which take that lock for their own decisions.
+        choice = self.tuner.cached(key, None)
+        if choice is not None:
+            return choice.strategy
+        probe = chunks.take(cv, comp.type_signature.parameter, list(range(PROBE_CLIENTS)))
+        full = _streams(comp, probe, PROBE_CLIENTS)
+        if not all(getattr(s, "replayable", False) for s in full):
+            return "per-client"  # decide on a later chunk whose data can be read twice
+        streams = [list(itertools.islice(iter(s), PROBE_CLIENT_BATCHES)) for s in full]
+        units = sum(len(s) for s in streams)
+        if units == 0:
+            return "per-client"
+        first = next(i for i, s in enumerate(streams) if s)
+        leaves = comp.arg_leaves(comp.split_arg(chunks.row(probe, comp.type_signature.parameter, first)))
+        batch = local.with_mask(structure.flatten(streams[first][0], local.element_type(comp)))
+        text = autotune.step_text(comp, leaves, batch)
+        if autotune.prior(text, device.platform) is not None:
+            choice = self.tuner.choices[key] = Choice("per-client", {}, "prior")
+            return choice.strategy
+        disk_key = self._disk_key("width", text, batch)  # None without a decision file
+        choice = self.tuner.cached(key, disk_key)
+        if choice is None:
+            # Vectorizing computes padding (short clients in a group run to its longest):
+            # time the probe at the chunk's group width, per padded step, and charge each
+            # real batch the padding the chunk's clients would need.
+            lengths = [len(s.batches) for s in _streams(comp, cv, c) if getattr(s, "complete", False)]
+            cap = min(self.vmap_width or c, c)
+            rows = vmap_exec.pow2(cap)
+            padding = vmap_exec.padded_steps(lengths, cap) / sum(lengths) if sum(lengths) else 1.0
+            probe_steps = rows * vmap_exec.padded_length(max(len(s) for s in streams))
+            n = PROBE_CLIENTS
+            times = self.tuner.measure(
+                f"{comp.name} ({n} clients x {PROBE_CLIENT_BATCHES} batches, groups of {rows})",
+                {
+                    "per-client": lambda: self._map_per_client(comp, probe, n, streams),
+                    "vmap": lambda: self._vmapped(comp, probe, n, streams, rows),
+                },
+                {"per-client": units, "vmap": probe_steps / padding},
+            )
+            # Vectorizing must clearly win (20%): per-client runs stream and are the safe default.
+            picked = "vmap" if times["vmap"] < 0.8 * times["per-client"] else "per-client"
+            choice = Choice(picked, times)
+            self.tuner.record(key, disk_key, choice)
+        return choice.strategy
+
+    def _disk_key(self, kind: str, text: str | None, batch: list[Any]) -> str | None:
+        if self.tuner.path is None or text is None:
             return None
-        times = {}
-        for name, run in (
-            ("per-client", lambda: self._map_per_client(comp, probe, n)),
-            ("vmap", lambda: vmap_exec.map_vmapped(comp, probe, n, self.vmap_width, _pad_to)),
-        ):
-            jax.block_until_ready(run())  # compile
-            t0 = time.perf_counter()
-            jax.block_until_ready(run())
-            times[name] = time.perf_counter() - t0
-        # Vectorizing must clearly win (20%): per-client runs stream and are the safe default.
-        picked = "vmap" if times["vmap"] < 0.8 * times["per-client"] else "per-client"
-        self.choices[key] = Choice(picked, times)
-        return self._choose_width(comp, cv, c) if self.choices[key].strategy == "vmap" else None
+        return autotune.decision_key(kind, text, batch, self.devices[0])
 
     def _device_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
@@ -184,12 +273,28 @@ class LocalRunner:
             )
         return self._pool
 
-    def run_client(self, comp: jax_backend.JaxLocal, leaves: list[Any], stream: Any) -> list[Any]:
+    def pad_batches(self, comp: Any, batches: Iterable[list[Any]]) -> Iterator[list[Any]]:
+        """A masked computation's batches (leaves and mask) padded to the largest batch
+        size it has seen, so tail batches compile nothing new; others pass unchanged."""
+        if not comp.masked:
+            yield from batches
+            return
+        key = comp.cache_key
+        for b in batches:
+            n = local.batch_size(b)
+            target = self._batch_sizes.get(key, 0)
+            if n > target:
+                self._batch_sizes[key] = n
+            elif n < target:
+                b = _pad_rows(b, n, target)
+            yield b
+
+    def run_client(self, comp: local.LocalProgram, leaves: list[Any], stream: Any) -> list[Any]:
         """One client's result leaves for a computation that reduces a dataset."""
         if not comp.uses_reduce:
-            return comp._run("epilogue", leaves)
-        element_t = comp.element_type
-        batches: Iterator[Any] = (_with_mask(structure.flatten(b, element_t)) for b in stream)
+            return comp.run("epilogue", leaves)
+        flat = flattener(local.element_type(comp))
+        batches: Iterator[Any] = self.pad_batches(comp, (local.with_mask(flat(b)) for b in stream))
         strategy = self.strategy
         if strategy == "auto":
             batches, strategy = self._choose(comp, leaves, batches)
@@ -197,34 +302,55 @@ class LocalRunner:
             # The prologue runs inside the first scan program and the epilogue inside the
             # last: a client costs its segments' dispatches and nothing more.
             return self._fold_scan(comp, leaves, None, batches, finish=True)
-        state = self._fold_loop(comp, leaves, comp._run("prologue", leaves), batches)
-        return comp._run("epilogue", leaves + list(state))
+        return self._client_loop(comp, leaves, batches)
+
+    def _client_loop(self, comp: Any, leaves: list[Any], batches: Iterator) -> list[Any]:
+        state = self._fold_loop(comp, leaves, comp.run("prologue", leaves), batches)
+        return list(comp.run("epilogue", leaves + list(state)))
 
     def _choose(self, comp: Any, leaves: list[Any], batches: Iterator) -> tuple[Iterator, str]:
-        window = list(itertools.islice(batches, 8))
+        first = next(batches, None)
+        if first is None:
+            return iter(()), "loop"
+        shapes = tuple(np.shape(x) for x in first)
+        key = (comp.cache_key, shapes)
+        known = self.tuner.choices.get(key)
+        if known is not None:  # the common case: decided on an earlier client
+            return itertools.chain([first], batches), known.strategy
+        window = [first, *itertools.islice(batches, PROBE_BATCHES - 1)]
         rest = itertools.chain(window, batches)
         if len(window) < 2:
             return rest, "loop"
-        key = (id(comp), tuple(np.shape(x) for x in window[0]))
-        with self._lock:
-            return rest, self._choice(key, comp, leaves, window)
-
-    def _choice(self, key: Any, comp: Any, leaves: list[Any], window: list[Any]) -> str:
-        if key not in self.choices:
-            state = comp._run("prologue", leaves)
-            times = {}
-            for name, fold in (("loop", self._fold_loop), ("scan", self._fold_scan)):
-                fold(comp, leaves, state, iter(window))  # compile
-                t0 = time.perf_counter()
-                jax.block_until_ready(fold(comp, leaves, state, iter(window)))
-                times[name] = (time.perf_counter() - t0) / len(window)
-            self.choices[key] = Choice(min(times, key=times.__getitem__), times)
-        return self.choices[key].strategy
+        with self.tuner.lock:
+            choice = self.tuner.cached(key, None)
+            disk_key = None
+            if choice is None:
+                text = autotune.step_text(comp, leaves, window[0])
+                prior = autotune.prior(text, self.devices[0].platform)
+                if prior is not None:
+                    choice = self.tuner.choices[key] = Choice(prior, {}, "prior")
+                else:
+                    disk_key = self._disk_key("reduce", text, window[0])
+                    choice = self.tuner.cached(key, disk_key)
+            if choice is None:
+                times = self.tuner.measure(
+                    f"{comp.name} on batches {list(shapes[:-1])}",
+                    {
+                        "loop": lambda: self._client_loop(comp, leaves, iter(window)),
+                        "scan": lambda: self._fold_scan(comp, leaves, None, iter(window), True),
+                    },
+                    len(window),
+                    # The same steps either way: on a CPU, count the host's work.
+                    cpu_clock=self.devices[0].platform == "cpu",
+                )
+                choice = Choice(min(times, key=times.__getitem__), times)
+                self.tuner.record(key, disk_key, choice)
+        return rest, choice.strategy
 
     @staticmethod
     def _fold_loop(comp: Any, leaves: list[Any], state: list[Any], batches: Iterator) -> list[Any]:
         for b in batches:
-            state = comp._run("step", leaves + list(state) + b)
+            state = comp.run("step", leaves + list(state) + b)
         return list(state)
 
     def _fold_scan(
@@ -244,19 +370,17 @@ class LocalRunner:
             if run and comp.masked and shapes != [np.shape(x) for x in run[0]]:
                 b = _pad_to(b, run[0])  # a smaller (tail) batch joins the run, padded and masked
                 shapes = [np.shape(x) for x in b]
-            if run and shapes != [np.shape(x) for x in run[0]]:
+            full = len(run) >= MAX_SEGMENT or window_bytes >= self.memory_budget
+            if run and (full or shapes != [np.shape(x) for x in run[0]]):
                 state = self._scan_run(comp, leaves, state, run)
                 run, window_bytes = [], 0
             run.append(b)
             window_bytes += sum(getattr(x, "nbytes", 0) for x in b)
-            if window_bytes >= self.memory_budget:
-                state = self._scan_run(comp, leaves, state, run)
-                run, window_bytes = [], 0
         if run:
             return self._scan_run(comp, leaves, state, run, finish)
         if state is None:
-            state = comp._run("prologue", leaves)
-        return list(comp._run("epilogue", leaves + list(state))) if finish else list(state)
+            state = comp.run("prologue", leaves)
+        return list(comp.run("epilogue", leaves + list(state))) if finish else list(state)
 
     @staticmethod
     def _scan_run(
@@ -266,34 +390,61 @@ class LocalRunner:
         run: list[list[Any]],
         finish: bool = False,
     ) -> list[Any]:
-        """Folds batches of one shape with scans over power-of-two segment lengths.
+        """Folds batches of one shape in segments of at most `MAX_SEGMENT` batches.
 
-        `state=None`: the first program starts with the prologue; `finish`: the last one
-        ends with the epilogue and the result leaves are returned instead of the state.
+        Each segment is stacked into a power-of-two length (at least `MIN_SEGMENT`) and
+        folded by a loop over its true number of batches. `state=None`: the first
+        program starts with the prologue; `finish`: the last one ends with the epilogue
+        and the result leaves are returned instead of the state.
         """
-        if len(run) == 1:  # a lone batch (e.g. a ragged tail): one step, no scan to compile
-            if state is None:
-                state = comp._run("prologue", leaves)
-            state = list(comp._run("step", leaves + list(state) + run[0]))
-            return list(comp._run("epilogue", leaves + state)) if finish else state
         n_args = len(leaves)
         n_state = len(structure.leaf_types(comp.state_type))
-        stacked = [np.stack([np.asarray(b[j]) for b in run]) for j in range(len(run[0]))]
-        start, remaining = 0, len(run)
         out: list[Any] = []
-        while remaining:
-            length = 1 << (remaining.bit_length() - 1)
-            first, last = state is None, finish and length == remaining
+        for start in range(0, len(run), MAX_SEGMENT):
+            segment = run[start : start + MAX_SEGMENT]
+            n = len(segment)
+            length = max(MIN_SEGMENT, 1 << (n - 1).bit_length())
+            stacked = []
+            for j, x in enumerate(segment[0]):
+                first_leaf = np.asarray(x)
+                buf = np.zeros((length, *first_leaf.shape), first_leaf.dtype)
+                for k, b in enumerate(segment):
+                    buf[k] = b[j]
+                stacked.append(buf)
+            first = state is None
+            last = finish and start + n == len(run)
+            # State passed between segments is donated: each segment reuses its buffers.
+            donate = tuple(range(n_args, n_args + n_state)) if not first and not last else ()
             prog = comp.program(
-                ("scan", first, last),
-                lambda f=first, e=last: jax.jit(_scan_program(comp, n_args, n_state, f, e)),
+                ("segment", first, last),
+                lambda f=first, e=last, d=donate: jax.jit(
+                    _segment_program(comp, n_args, n_state, f, e), donate_argnums=d
+                ),
             )
-            segment = [x[start : start + length] for x in stacked]
-            out = list(prog(*leaves, *([] if state is None else state), *segment))
-            start += length
-            remaining -= length
+            out = list(prog(*leaves, *([] if state is None else state), *stacked, np.int32(n)))
             state = out
+            if first and last:
+                _warm_lengths(comp, prog, leaves, stacked, length)
         return out
+
+
+def select_many(fn: local.LocalProgram, server_val: Any, keys: np.ndarray) -> list[Any]:
+    """`[fn(server_val, k) for k in keys]` for a vectorizable computation, as one vmapped call.
+
+    One call per key would move the server value to the device and dispatch once per
+    key (milliseconds each for a large table); a client asking for 1,000 rows of a
+    1,000,000-row table would then take seconds.
+    """
+    leaves = [jax.numpy.asarray(x) for x in fn.arg_leaves([server_val, np.int32(0)])[:-1]]
+    many = fn.program(
+        ("select_many", len(leaves)),
+        lambda: jax.jit(jax.vmap(fn.part("fn"), in_axes=(*[None] * len(leaves), 0))),
+    )
+    padded = np.zeros(1 << max(len(keys) - 1, 0).bit_length(), np.int32)  # few compiled sizes
+    padded[: len(keys)] = keys
+    outs = [np.asarray(x) for x in many(*leaves, padded)]
+    result_t = fn.type_signature.result
+    return [structure.unflatten([x[j] for x in outs], result_t) for j in range(len(keys))]
 
 
 def _streams(comp: Any, cv: Any, c: int) -> list[Any]:
@@ -302,13 +453,71 @@ def _streams(comp: Any, cv: Any, c: int) -> list[Any]:
     return [comp.split_arg(chunks.row(cv, param_t, i))[comp.seq_index] for i in range(c)]
 
 
-def _with_mask(batch: list[Any]) -> list[Any]:
-    return [*batch, jax_backend.full_mask(batch)]
+def _gather(outs: list[list[Any]], result_t: types.Type, platform: str) -> Any:
+    """Per-client result leaves -> a chunk value on the host, with one wait per chunk.
+
+    On an accelerator the clients' leaves are stacked on the device and fetched in one
+    transfer; on the CPU they already are host memory and `np.stack` is cheapest.
+    """
+    if not outs:
+        return chunks.stack([], result_t)
+    n_leaves = len(outs[0])
+    same = all(len({np.shape(o[j]) for o in outs}) == 1 for j in range(n_leaves))
+    if platform == "cpu" or not same:
+        return chunks.stack([structure.unflatten(o, result_t) for o in outs], result_t)
+    stacked = [jax.numpy.stack([o[j] for o in outs]) for j in range(n_leaves)]
+    counters.add(device_to_host=1)
+    return structure.unflatten(list(jax.device_get(stacked)), result_t)
+
+
+def _pad_rows(batch: list[Any], n: int, target: int) -> list[Any]:
+    """A batch whose non-scalar leaves all lead with `n` examples, padded with zeros
+    (and mask 0) to `target` examples; any other batch is returned unchanged."""
+    if any(np.ndim(x) and np.shape(x)[0] != n for x in batch):
+        return batch
+    out = []
+    for x in batch:
+        if np.ndim(x):
+            x = np.asarray(x)
+            padded = np.zeros((target, *x.shape[1:]), x.dtype)
+            padded[:n] = x
+            x = padded
+        out.append(x)
+    return out
+
+
+_FLATTENERS: dict[types.Type, Any] = {}
+
+
+def flattener(t: types.Type) -> Any:
+    """`structure.flatten(value, t)` as a function of `value` alone, made once per type
+    (a batch of tensors is flattened per batch: the generic walk costs more than the
+    step's dispatch for small models)."""
+    fn = _FLATTENERS.get(t)
+    if fn is None:
+        if isinstance(t, types.TensorType):
+            fn = _one
+        elif isinstance(t, types.StructType) and all(
+            isinstance(x, types.TensorType) for x in t.types
+        ):
+            fn = list
+        else:
+            fn = functools.partial(_flatten_as, t)
+        _FLATTENERS[t] = fn
+    return fn
+
+
+def _one(value: Any) -> list[Any]:
+    return [value]
+
+
+def _flatten_as(t: types.Type, value: Any) -> list[Any]:
+    return structure.flatten(value, t)
 
 
 def _pad_to(batch: list[Any], like: list[Any]) -> list[Any]:
     """`batch` padded with zero examples (mask 0) to the shapes of `like`, if it fits."""
-    n, target = jax_backend.batch_size(batch), jax_backend.batch_size(like)
+    n, target = local.batch_size(batch), local.batch_size(like)
     if n >= target or len(batch) != len(like):
         return batch
     for x, y in zip(batch, like):
@@ -321,27 +530,52 @@ def _pad_to(batch: list[Any], like: list[Any]) -> list[Any]:
     ]
 
 
-def _scan_program(
+WARM_BYTES = 64 << 20  # the largest zero segment compiled ahead
+
+
+def _warm_lengths(comp: Any, prog: Any, leaves: list[Any], stacked: list[Any], length: int) -> None:
+    """The first time a whole client runs in one segment, compiles that program for the
+    other length buckets too (on zero segments and a count of 0: nothing is folded), so
+    that a client of a length not seen yet compiles nothing in a later round."""
+    signature = tuple((x.shape[1:], x.dtype.str) for x in stacked)
+    warmed = comp.program(("warmed-lengths", signature), set)
+    if warmed:
+        return
+    warmed.add(length)
+    per_batch = sum(x[0].nbytes for x in stacked)
+    other = MIN_SEGMENT
+    while other <= MAX_SEGMENT:
+        if other != length and other * per_batch <= WARM_BYTES:
+            zeros = [np.zeros((other, *x.shape[1:]), x.dtype) for x in stacked]
+            prog(*leaves, *zeros, np.int32(0))
+            warmed.add(other)
+        other *= 2
+
+
+def _segment_program(
     comp: Any, n_args: int, n_state: int, prologue: bool = False, epilogue: bool = False
 ) -> Any:
-    """`scan` of the step over stacked batches, optionally starting with the prologue
-    (no state argument) and ending with the epilogue (returns the result leaves)."""
-    step = comp.trace_fn("step")
-    start_fn = comp.trace_fn("prologue") if prologue else None
-    end_fn = comp.trace_fn("epilogue") if epilogue else None
+    """A loop of the step over the first `count` of a segment's stacked batches,
+    optionally starting with the prologue (no state argument) and ending with the
+    epilogue (returns the result leaves). `count` is an argument, so every client
+    length in a bucket shares the program, and padding batches are never computed."""
+    step = comp.part("step")
+    start_fn = comp.part("prologue") if prologue else None
+    end_fn = comp.part("epilogue") if epilogue else None
 
     def program(*flat: Any) -> list[Any]:
-        args = flat[:n_args]
+        args, count = flat[:n_args], flat[-1]
         if start_fn is not None:
-            state, stacked = list(start_fn(*args)), flat[n_args:]
+            state, stacked = list(start_fn(*args)), flat[n_args:-1]
         else:
-            state, stacked = list(flat[n_args : n_args + n_state]), flat[n_args + n_state :]
+            state, stacked = list(flat[n_args : n_args + n_state]), flat[n_args + n_state : -1]
 
-        def body(carry: Any, batch: Any) -> tuple[Any, None]:
-            return list(step(*args, *carry, *batch)), None
+        def body(i: Any, carry: Any) -> list[Any]:
+            batch = [lax.dynamic_index_in_dim(x, i, keepdims=False) for x in stacked]
+            return list(step(*args, *carry, *batch))
 
-        final, _ = lax.scan(body, state, list(stacked))
-        return list(end_fn(*args, *final)) if end_fn is not None else final
+        final = lax.fori_loop(0, count, body, state)
+        return list(end_fn(*args, *final)) if end_fn is not None else list(final)
 
     return program
 
@@ -354,19 +588,29 @@ def describe_choices(runner: LocalRunner) -> list[dict[str, Any]]:
         if key[0] == "width":
             rows.append(
                 {
-                    "program": f"{key[1]:x}",
+                    "program": _program_name(key[1]),
                     "decision": f"vmap width on {key[2]}",
                     "picked": c.strategy,
+                    "source": c.source,
                     **c.seconds_per_batch,
                 }
             )
         else:
             rows.append(
                 {
-                    "program": f"{key[0]:x}",
+                    "program": _program_name(key[0]),
                     "decision": f"reduce of batches {key[1]}",
                     "picked": c.strategy,
+                    "source": c.source,
                     **c.seconds_per_batch,
                 }
             )
     return rows
+
+
+def _program_name(cache_key: Any) -> str:
+    """A readable name for a computation's cache key (its name, and an id when present)."""
+    if isinstance(cache_key, tuple) and len(cache_key) == 3:
+        kind, name, ident = cache_key
+        return f"{name} ({kind}, {ident:x})" if isinstance(ident, int) else f"{name} ({kind})"
+    return str(cache_key)

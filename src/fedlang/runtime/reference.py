@@ -12,11 +12,11 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sized
 from typing import Any, cast
 
-from fedlang.core import computation, intrinsics, ir, structure, types
+from fedlang.core import computation, intrinsics, ir, local, structure, types
 
 
 @dataclasses.dataclass
-class _Closure:
+class Closure:
     fn: ir.Lambda
     env: dict[str, Any]
 
@@ -43,14 +43,14 @@ class Interpreter:
         return self._num_clients
 
     def call(self, fn: Any, arg: Any) -> Any:
-        if isinstance(fn, _Closure):
+        if isinstance(fn, Closure):
             env = dict(fn.env)
             if fn.fn.parameter_name is not None:
                 env[fn.fn.parameter_name] = arg
             return self.eval(fn.fn.result, env)
         if isinstance(fn, _IntrinsicFn):
             return fn.definition.impl(arg, fn.type_signature.parameter, self)  # type: ignore[arg-type]
-        if isinstance(fn, ir.LocalComputation):
+        if local.is_local(fn):
             return fn.invoke(arg)
         raise TypeError(f"Cannot call {fn!r}: it is not a function value.")
 
@@ -69,7 +69,7 @@ class Interpreter:
             arg = None if node.argument is None else self.eval(node.argument, env)
             return self.call(fn, arg)
         if isinstance(node, ir.Lambda):
-            return _Closure(node, env)
+            return Closure(node, env)
         if isinstance(node, ir.Selection):
             return self.eval(node.source, env)[node.index]
         if isinstance(node, ir.Struct):
@@ -117,8 +117,8 @@ def count_clients(value: Any, t: types.Type | None, path: str, found: dict[str, 
             )
         return
     if isinstance(t, types.StructType) and types.contains_federated(t):
-        for i, (n, et, v) in enumerate(structure._match_fields(value, t, path)):
-            count_clients(v, et, f"{path}{structure._field(n, i)}", found)
+        for i, (n, et, v) in enumerate(structure.match_fields(value, t, path)):
+            count_clients(v, et, f"{path}{structure.field_path(n, i)}", found)
 
 
 def infer_num_clients(value: Any, t: types.Type | None, default: int | None) -> int | None:
@@ -164,13 +164,13 @@ def to_internal(value: Any, t: types.Type | None, n: int | None, path: str = "")
                 f"Expected a computation of type {t} for {_where(path)}, found {found}."
             )
         node = value.to_ir()
-        return _Closure(node, {}) if isinstance(node, ir.Lambda) else node.computation  # type: ignore[attr-defined]
+        return Closure(node, {}) if isinstance(node, ir.Lambda) else node.computation  # type: ignore[attr-defined]
     if isinstance(t, types.StructType) and (
         types.contains_federated(t) or any(isinstance(x, types.FunctionType) for x in t)
     ):
         return tuple(
-            to_internal(v, et, n, f"{path}{structure._field(nm, i)}")
-            for i, (nm, et, v) in enumerate(structure._match_fields(value, t, path))
+            to_internal(v, et, n, f"{path}{structure.field_path(nm, i)}")
+            for i, (nm, et, v) in enumerate(structure.match_fields(value, t, path))
         )
     return structure.to_internal(value, t, path)
 
@@ -190,6 +190,17 @@ def to_python(value: Any, t: types.Type) -> Any:
     return structure.to_python(value, t)
 
 
+def check_runtime_supports(ctx: Any, comp: Any) -> None:
+    """Refuses, before anything runs, a computation using an intrinsic `ctx` cannot run.
+
+    A context that cannot run some intrinsics sets `refuse(definition, fn_type) -> reason
+    or None`; the reference and simulation runtimes run them all (`refuse` is None).
+    """
+    refuse = getattr(ctx, "refuse", None)
+    if refuse is not None:
+        intrinsics.check_supported(comp.to_ir(), ctx.name, refuse)
+
+
 class ReferenceContext:
     """Runs computations with the reference interpreter.
 
@@ -198,10 +209,14 @@ class ReferenceContext:
         (e.g. a computation that only broadcasts and sums).
     """
 
+    name = "reference"
+    refuse: Any = None  # runs every intrinsic, by its reference semantics
+
     def __init__(self, num_clients: int | None = None):
         self.num_clients = num_clients
 
     def invoke(self, comp: Any, arg: Any) -> Any:
+        check_runtime_supports(self, comp)
         t = comp.type_signature
         n = infer_num_clients(arg, t.parameter, self.num_clients)
         internal = to_internal(arg, t.parameter, n)

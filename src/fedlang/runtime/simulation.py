@@ -22,8 +22,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from fedlang.core import computation, intrinsics, ir, structure, types
-from fedlang.runtime import accumulate, chunks, lazy, local_exec, reference
+from fedlang.core import computation, intrinsics, ir, local, structure, types
+from fedlang.core import intrinsic_defs as defs
+from fedlang.runtime import accumulate, autotune, chunks, counters, lazy, local_exec, reference
 
 CLIENTS = types.CLIENTS
 
@@ -42,7 +43,14 @@ class Options:
         'vmap' (clients vectorized, `vmap_width` at a time; see `vmap_exec`).
       num_clients: the cohort size when no CLIENTS-placed argument says.
       prefetch: stage the next chunk's client data on a background thread.
-      vmap_width: clients per vectorized group with the 'vmap' strategy.
+      vmap_width: clients per vectorized group with the 'vmap' strategy; None: as many
+        as the chunk has and the device's memory holds.
+      auto_budget_s: seconds 'auto' may spend timing candidates per decision (their
+        first, compiling runs come on top; they run on a few clients and batches).
+      decision_cache: where 'auto' keeps its decisions across runs: True for the
+        default file (`autotune.default_cache_path()`), a path, or False (memory only).
+      progress: say on stderr when 'auto' measures: True, False, or None (when stderr
+        is a terminal). It is also logged to the `fedlang.runtime` logger.
     """
 
     chunk_size: int | None = None
@@ -50,7 +58,10 @@ class Options:
     strategy: str = "auto"
     num_clients: int | None = None
     prefetch: bool = True
-    vmap_width: int = 16
+    vmap_width: int | None = None
+    auto_budget_s: float = 1.0
+    decision_cache: bool | str = True
+    progress: bool | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and self.chunk_size < 1:
@@ -61,6 +72,14 @@ class Options:
             raise ValueError(
                 f"memory_budget must be at least 64 KiB, found {self.memory_budget} bytes."
             )
+        if self.vmap_width is not None and self.vmap_width < 1:
+            raise ValueError(
+                f"vmap_width must be a positive number of clients or None, found {self.vmap_width}."
+            )
+        if self.auto_budget_s <= 0:
+            raise ValueError(
+                f"auto_budget_s must be a positive number of seconds, found {self.auto_budget_s}."
+            )
         if self.strategy not in local_exec.STRATEGIES:
             raise ValueError(
                 f"Unknown strategy {self.strategy!r}; expected one of {local_exec.STRATEGIES}."
@@ -69,19 +88,41 @@ class Options:
 
 @dataclasses.dataclass(frozen=True)
 class RunStats:
-    """What the last invocation did: passes over the cohort, and its size."""
+    """What the last invocation did.
+
+    Attributes:
+      waves: passes over the cohort.
+      num_clients: the cohort size.
+      compilations: XLA programs compiled while it ran (0 once every shape was seen).
+      host_to_device: explicit transfers of staged data to the device (the vectorized
+        path makes one per group of clients, plus one per chunk).
+      device_to_host: explicit waits for device results (one per chunk on the
+        vectorized path; per-client strategies on an accelerator also one per chunk).
+    """
 
     waves: int
     num_clients: int | None
+    compilations: int = 0
+    host_to_device: int = 0
+    device_to_host: int = 0
 
 
 class AggThunk(lazy.Thunk):
     """An aggregation of a CLIENTS value, computed in a wave with its peers."""
 
-    def __init__(self, run: Run, input_: lazy.ClientsValue, make: Any):
+    def __init__(
+        self,
+        run: Run,
+        input_: lazy.ClientsValue,
+        make: Any,
+        spec: tuple[intrinsics.IntrinsicDef, types.Type, Any] | None = None,
+    ):
         super().__init__(lambda: run.run_wave(self), (input_,))
         self.input = input_
         self.make = make  # () -> Accumulator, called when the wave starts
+        # (definition, parameter type, server arguments) of an aggregation intrinsic, for
+        # runtimes that accumulate elsewhere (None for collecting CLIENTS values).
+        self.spec = spec
         run.aggregations.append(self)
 
 
@@ -105,7 +146,7 @@ class Run(reference.Interpreter):
         fn = lazy.force(fn)
         if isinstance(fn, reference._IntrinsicFn):
             return self.intrinsic(fn.definition, arg, fn.type_signature)
-        if isinstance(fn, ir.LocalComputation):
+        if local.is_local(fn):
             return lazy.Thunk(lambda: fn.invoke(lazy.force(arg)), (arg,))
         return super().call(fn, arg)  # a closure: its body is evaluated lazily by `eval`
 
@@ -122,73 +163,28 @@ class Run(reference.Interpreter):
         return super().eval(node, env)
 
     def intrinsic(self, d: intrinsics.IntrinsicDef, arg: Any, fn_type: types.FunctionType) -> Any:
-        uri, t = d.uri, fn_type.parameter
-        result_t = fn_type.result
-        member = result_t.member if isinstance(result_t, types.FederatedType) else None
-        if uri in ("federated_broadcast", "federated_value_at_clients"):
-            return lazy.Replicated(arg, member)  # type: ignore[arg-type]
-        if uri == "federated_value_at_server":
-            return arg
-        if uri == "federated_map":
-            fn, value = arg
-            if isinstance(value, lazy.ClientsValue):
-                return lazy.Mapped(lazy.force(fn), value, member, self._apply)  # type: ignore[arg-type]
-            return lazy.Thunk(lambda: self.call_now(lazy.force(fn), lazy.force(value)), (fn, value))
-        if uri == "federated_zip" and result_t.placement is CLIENTS:  # type: ignore[attr-defined]
-            return lazy.Zipped(arg, t, member)  # type: ignore[arg-type]
-        if uri == "federated_eval_at_clients":
-            fn = lazy.force(arg)
-            return lazy.Counted(lambda: self.call_now(fn, None), member)  # type: ignore[arg-type]
-        make = self._accumulator(uri, arg, t)
-        if make is not None:
-            value = arg[0] if uri in _TWO_PART else arg
-            if uri == "federated_weighted_mean":
-                arg_t = cast(types.StructType, t)  # <values, weights>, both at CLIENTS
-                values_t = cast(types.FederatedType, arg_t.types[0])
-                weights_t = cast(types.FederatedType, arg_t.types[1])
-                value = lazy.Zipped(
-                    arg, arg_t, types.StructType([values_t.member, weights_t.member])
-                )
-            return AggThunk(self, value, make)
-        return self._fallback(d, arg, t, result_t)
+        strategy = STRATEGIES.get(d.uri)
+        if strategy is not None:
+            out = strategy(self, d, arg, fn_type)
+            if out is not NotImplemented:
+                return out
+        return self._fallback(d, arg, fn_type.parameter, fn_type.result)
 
-    def _accumulator(self, uri: str, arg: Any, t: Any) -> Any:
-        if uri == "federated_sum":
-            return lambda: accumulate.Sum(t.member)
-        if uri == "federated_mean":
-            return lambda: accumulate.Mean(t.member)
-        if uri == "federated_weighted_mean":
-            return lambda: accumulate.WeightedMean(t.types[0].member, t.types[1].member)
-        if uri in ("federated_min", "federated_max"):
-            return lambda: accumulate.Extremum(t.member, uri == "federated_min")
-        if uri == "federated_aggregate":
-            _, zero, acc, merge, report = arg
-            return lambda: accumulate.Aggregate(
-                t.types[0].member,
-                lazy.force(zero),
-                lazy.force(acc),
-                lazy.force(merge),
-                lazy.force(report),
-                self.call_now,
-            )
-        if uri in _SPARSE:
-            return lambda: accumulate.SparseSum(t.member, _SPARSE[uri])
-        if uri in ("federated_secure_modular_sum", "federated_secure_sum_bitwidth"):
-            member = t.types[0].member
-            bounds = intrinsics._per_leaf_bounds(lazy.force(arg[1]), t.types[1], member)
-            if uri == "federated_secure_modular_sum":
-                return lambda: accumulate.ModularSum(member, bounds, lambda n: bounds)
-            return lambda: accumulate.ModularSum(
-                member, [2**b for b in bounds], accumulate.bitwidth_moduli(bounds)
-            )
-        return None
-
-    def _fallback(self, d: intrinsics.IntrinsicDef, arg: Any, t: Any, result_t: types.Type) -> Any:
-        """Any other intrinsic: materialize its CLIENTS inputs and run the reference semantics."""
+    def _fallback(
+        self,
+        d: intrinsics.IntrinsicDef,
+        arg: Any,
+        t: Any,
+        result_t: types.Type,
+        impl: Any = None,
+    ) -> Any:
+        """An intrinsic without a strategy: materialize its CLIENTS inputs and run the
+        reference semantics (or `impl`, with the same signature) on them."""
         collected = self.collect(arg, t)
+        semantics = impl or d.impl
 
         def compute() -> Any:
-            return d.impl(lazy.force(_force_collected(collected)), t, _Eager(self))
+            return semantics(lazy.force(_force_collected(collected)), t, _Eager(self))
 
         thunk = lazy.Thunk(compute, (collected,))
         if isinstance(result_t, types.FederatedType) and result_t.placement is CLIENTS:
@@ -214,10 +210,9 @@ class Run(reference.Interpreter):
     # -- applying functions to chunks ---------------------------------------------------
 
     def _apply(self, fn: Any, cv: Any, c: int) -> Any:
-        runner = self.ctx.runner
-        if isinstance(fn, ir.LocalComputation) and hasattr(fn, "trace_fn"):
-            return runner.map_chunk(fn, cv, c)  # type: ignore[arg-type]
-        if isinstance(fn, reference._Closure):
+        if local.is_program(fn):
+            return self.ctx.runner.map_chunk(fn, cv, c)
+        if isinstance(fn, reference.Closure):
             path = _selection_path(fn.fn)
             if path is not None:
                 for index in path:
@@ -240,23 +235,32 @@ class Run(reference.Interpreter):
     # -- waves --------------------------------------------------------------------------
 
     def run_wave(self, target: AggThunk) -> Any:
-        """Computes `target` and every other ready aggregation in one pass over chunks."""
+        """Computes `target` and every other ready aggregation in one pass over the cohort."""
+        wave = self.ready_wave(target)
+        values = self.compute_wave(wave)
+        self.waves += 1
+        for a, value in zip(wave[1:], values[1:]):
+            a._value, a.done = value, True
+        return values[0]
+
+    def ready_wave(self, target: AggThunk) -> list[AggThunk]:
+        """`target` (first) and the other aggregations whose inputs are ready, once the
+        server values `target` needs are computed (which may run earlier waves)."""
         for dep in list(lazy.pending_thunks(target.input)):
-            dep.get()  # may run earlier waves
+            dep.get()
         wave = [
             a
             for a in self.aggregations
             if not a.done and a is not target and not any(lazy.pending_thunks(a.input))
         ]
-        wave.insert(0, target)
+        return [target, *wave]
+
+    def compute_wave(self, wave: list[AggThunk]) -> list[Any]:
+        """The results of a wave's aggregations: here, one pass over chunks of clients
+        (other runtimes override this to compute them elsewhere)."""
         accs = [a.make() for a in wave]
-        n = self.num_clients
-        self._pass(wave, accs, n)
-        self.waves += 1
-        for a, acc in zip(wave, accs):
-            if a is not target:
-                a._value, a.done = acc.result(), True
-        return accs[0].result()
+        self._pass(wave, accs, self.num_clients)
+        return [acc.result() for acc in accs]
 
     def _pass(self, wave: list[AggThunk], accs: list[accumulate.Accumulator], n: int) -> None:
         size = self.ctx.chunk_size_for(wave)
@@ -293,13 +297,88 @@ class _Eager:
         return self.run.call_now(fn, arg)
 
 
-_SPARSE = {
-    "federated_sparse_sum": "dense",
-    "federated_sparse_sum_keep_sparse": "sum",
-    "federated_sparse_mean": "mean",
-}
+# -- the strategy table: how this runtime executes each intrinsic ---------------------
+#
+# A strategy is `strategy(run, definition, arg, fn_type) -> value` (lazy values allowed)
+# or NotImplemented to use the fallback. Intrinsics without a strategy run their
+# reference semantics on materialized CLIENTS inputs (`Run._fallback`), which is valid
+# for every intrinsic: a new one works here as soon as it is defined.
 
-_TWO_PART = {"federated_aggregate", "federated_secure_modular_sum", "federated_secure_sum_bitwidth"}
+
+def _replicate(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+    return lazy.Replicated(arg, cast(types.FederatedType, fn_type.result).member)
+
+
+def _at_server(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+    return arg
+
+
+def _map(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+    fn, value = arg
+    if isinstance(value, lazy.ClientsValue):
+        member = cast(types.FederatedType, fn_type.result).member
+        return lazy.Mapped(lazy.force(fn), value, member, run._apply)
+    return lazy.Thunk(lambda: run.call_now(lazy.force(fn), lazy.force(value)), (fn, value))
+
+
+def _zip(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+    result_t = cast(types.FederatedType, fn_type.result)
+    if result_t.placement is not CLIENTS:
+        return NotImplemented
+    return lazy.Zipped(arg, fn_type.parameter, result_t.member)  # type: ignore[arg-type]
+
+
+def _eval_at_clients(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+    fn = lazy.force(arg)
+    member = cast(types.FederatedType, fn_type.result).member
+    return lazy.Counted(fn, run.call_now, member)
+
+
+def _aggregate(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+    """Folds the clients' values chunk by chunk with the intrinsic's accumulator."""
+    agg = accumulate.AGGREGATIONS[d.uri]
+    t = fn_type.parameter
+    assert t is not None
+    if agg.clients == accumulate.ZIPPED:
+        value = lazy.Zipped(arg, t, agg.client_type(t))
+    else:
+        value = arg[0] if agg.clients == accumulate.FIRST else arg
+    server_args = agg.server_args(arg)
+    return AggThunk(
+        run,
+        value,
+        lambda: agg.make(d, t, tuple(lazy.force(server_args)), run.call_now),
+        (d, t, server_args),
+    )
+
+
+def _select(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+    """federated_select with each client's keys looked up in one vectorized call."""
+
+    def impl(concrete: Any, t: Any, rt: Any) -> Any:
+        keys, max_key, server_val, fn = concrete
+        out = []
+        for i, client_keys in enumerate(keys):
+            ks = defs.checked_select_keys(i, client_keys, max_key)
+            if local.is_program(fn) and fn.can_vmap and fn.seq_index is None:
+                out.append(local_exec.select_many(fn, server_val, ks))
+            else:
+                out.append([rt.call(fn, (server_val, np.int32(k))) for k in ks])
+        return out
+
+    return run._fallback(d, arg, fn_type.parameter, fn_type.result, impl)
+
+
+STRATEGIES: dict[str, Any] = {
+    **{uri: _aggregate for uri in accumulate.AGGREGATIONS},
+    defs.FEDERATED_BROADCAST.uri: _replicate,
+    defs.FEDERATED_VALUE_AT_CLIENTS.uri: _replicate,
+    defs.FEDERATED_VALUE_AT_SERVER.uri: _at_server,
+    defs.FEDERATED_MAP.uri: _map,
+    defs.FEDERATED_ZIP.uri: _zip,
+    defs.FEDERATED_EVAL_AT_CLIENTS.uri: _eval_at_clients,
+    defs.FEDERATED_SELECT.uri: _select,
+}
 
 
 def _force_collected(value: Any) -> Any:
@@ -395,16 +474,46 @@ class _StagedStream:
 class SimulationContext:
     """Runs computations with the simulation runtime (see the module docstring)."""
 
+    name = "simulation"
+    refuse: Any = None  # runs every intrinsic: STRATEGIES, else the reference semantics
+
     def __init__(self, options: Options | None = None, **kwargs: Any):
         self.options = options or Options(**kwargs)
+        o = self.options
         self.runner = local_exec.LocalRunner(
-            self.options.strategy, self.options.memory_budget, vmap_width=self.options.vmap_width
+            o.strategy,
+            o.memory_budget,
+            vmap_width=o.vmap_width,
+            tuner=autotune.Tuner(o.auto_budget_s, o.decision_cache, o.progress),
         )
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fedlang-stage")
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.last_run: RunStats | None = None
 
+    @property
+    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread that stages the next chunk's client data (started on first use)."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="fedlang-stage"
+            )
+        return self._pool
+
+    def close(self) -> None:
+        """Stops this context's threads; it stays usable (they restart when needed)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.runner.close()
+
+    def __enter__(self) -> SimulationContext:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def chunk_size_for(self, wave: list[AggThunk]) -> int:
-        """Clients per chunk: as set, or what fits the memory budget (8 to 256).
+        """Clients per chunk: as set, or what fits the memory budget (8 to 256; with
+        client datasets at most 32 on a CPU, 128 on an accelerator).
 
         The estimate counts the bytes of every per-client value the wave computes
         (model weights, updates, metrics: the sizes their types give, unknown dims as
@@ -416,11 +525,17 @@ class SimulationContext:
         size = int(np.clip(self.options.memory_budget // max(2 * per_client, 1), 8, 256))
         if any(_has_sequence(s.member) for s in _clients_sources(wave)):
             # Client datasets are staged a chunk ahead; their sizes are unknown until read,
-            # so keep chunks small enough that staging overlaps compute and memory stays flat.
-            size = min(size, 32)
+            # so keep chunks small enough that staging overlaps compute and memory stays flat
+            # (32 clients on a CPU; an accelerator vectorizes a chunk's clients together, and
+            # wider groups keep it busy: 128 there).
+            on_cpu = self.runner.devices[0].platform == "cpu"
+            size = min(size, 32 if on_cpu else 128)
         return size
 
     def invoke(self, comp: computation.Computation, arg: Any) -> Any:
+        reference.check_runtime_supports(self, comp)
+        counters.start()
+        before = counters.snapshot()
         t = comp.type_signature
         n = reference.infer_num_clients(arg, t.parameter, self.options.num_clients)
         internal = reference.to_internal(arg, t.parameter, n)
@@ -431,9 +546,14 @@ class SimulationContext:
         result = run.call(fn, internal)
         result = run.collect(result, t.result)
         out = reference.to_python(_force_collected_deep(result), t.result)
-        self.last_run = RunStats(
-            waves=run.waves, num_clients=run._n
-        )  # not the run: it holds the data
+        spent = counters.snapshot().minus(before)
+        self.last_run = RunStats(  # not the run: it holds the data
+            waves=run.waves,
+            num_clients=run._n,
+            compilations=spent.compilations,
+            host_to_device=spent.host_to_device,
+            device_to_host=spent.device_to_host,
+        )
         return out
 
 

@@ -170,8 +170,12 @@ def test_corrupted_program_bytes_raise_a_serialization_error():
     header, blobs = serialization._unpack(inc.to_bytes(), serialization.KIND_COMPUTATION)
     blobs = [b"\x00" * 64 for _ in blobs]
     data = serialization._pack(serialization.KIND_COMPUTATION, header, blobs)
-    with pytest.raises(serialization.SerializationError, match="exported StableHLO"):
+    # Untrusted (the default): the checking process refuses them; this process never parses them.
+    with pytest.raises(serialization.SerializationError, match="checking process refused"):
         fl.Computation.from_bytes(data)
+    # Trusted by the caller: parsed here, and refused as unreadable.
+    with pytest.raises(serialization.SerializationError, match="exported StableHLO"):
+        fl.Computation.from_bytes(data, trusted=True)
 
 
 def test_missing_program_is_rejected():

@@ -26,8 +26,9 @@ from typing import Any
 
 import jax
 
-from fedlang.core import computation, ir, serialization, structure, types
-from fedlang.core import jax_computation as jax_backend
+from fedlang.backends.jax import computation as jax_backend
+from fedlang.backends.jax import verify
+from fedlang.core import computation, ir, serialization, types
 
 PLATFORMS = ("cpu", "cuda")
 
@@ -38,31 +39,11 @@ def _parts(seq_index: int | None, uses_reduce: bool) -> tuple[str, ...]:
     return ("prologue", "step", "epilogue") if uses_reduce else ("epilogue",)
 
 
-def _avals(comp: jax_backend.JaxComputation) -> dict[str, list[jax.ShapeDtypeStruct]]:
-    """Abstract flat arguments of each program of `comp`."""
-    arg_types = comp._arg_leaf_types
-    if comp.seq_index is None:
-        (args,) = jax_backend.abstract_args([(arg_types, "a")])
-        return {"fn": args}
-    element_types = structure.leaf_types(comp.element_type)
-    args, batch = jax_backend.abstract_args(
-        [(arg_types, "a"), ([*element_types, jax_backend.MASK_TYPE], "b")]
-    )
-    if not comp.uses_reduce:
-        return {"epilogue": args}
-    assert comp.state_type is not None
-    state = [
-        jax.ShapeDtypeStruct(jax_backend._concrete_shape(lt), lt.dtype)
-        for lt in structure.leaf_types(comp.state_type)
-    ]
-    return {"prologue": args, "step": args + state + batch, "epilogue": args + state}
-
-
 def export_programs(comp: jax_backend.JaxComputation) -> dict[str, jax.export.Exported]:
     """Exports the flat programs of `comp` for `PLATFORMS` (else the default platform)."""
     out = {}
-    for part, avals in _avals(comp).items():
-        fn = jax.jit(getattr(comp, f"_{part}_flat"))
+    for part, avals in jax_backend.program_avals(comp).items():
+        fn = jax.jit(comp.part(part))
         try:
             out[part] = jax.export.export(fn, platforms=PLATFORMS)(*avals)
         except (ValueError, NotImplementedError, RuntimeError):
@@ -94,6 +75,7 @@ class ExportedJaxComputation(jax_backend.JaxLocal, computation.Computation):
         uses_reduce: bool,
         programs: dict[str, bytes],
         masked: bool = False,
+        exported: dict[str, jax.export.Exported] | None = None,
     ):
         self.name = name
         self.parameter_names = parameter_names
@@ -104,15 +86,21 @@ class ExportedJaxComputation(jax_backend.JaxLocal, computation.Computation):
         self.uses_reduce = uses_reduce
         self.masked = masked
         self.programs = dict(programs)
-        self._exported = {p: jax.export.deserialize(bytearray(b)) for p, b in programs.items()}
+        self._exported = exported or {
+            p: jax.export.deserialize(bytearray(b)) for p, b in programs.items()
+        }
 
-    def trace_fn(self, part: str) -> Callable[..., list[Any]]:
-        call = self._exported[part].call
+    def part(self, name: str) -> Callable[..., list[Any]]:
+        if name not in self._exported:
+            raise ValueError(
+                f"{self.name} has no program {name!r}; it has {sorted(self._exported)}."
+            )
+        call = self._exported[name].call
         return lambda *leaves: list(call(*leaves))
 
-    def _run(self, part: str, leaves: list[Any]) -> list[Any]:
+    def run(self, name: str, leaves: list[Any]) -> list[Any]:
         try:
-            return list(super()._run(part, leaves))
+            return list(super().run(name, leaves))
         except ValueError as e:
             if "polymorphic shapes" not in str(e):
                 raise
@@ -150,7 +138,7 @@ def _encode(comp: Any, ctx: serialization.EncodeContext) -> dict[str, Any]:
 
 
 def _decode(meta: dict[str, Any], ctx: serialization.DecodeContext) -> ExportedJaxComputation:
-    fail = serialization._fail
+    fail = serialization.malformed
     name = meta.get("name")
     names = meta.get("parameter_names")
     if not isinstance(name, str) or not (
@@ -164,7 +152,7 @@ def _decode(meta: dict[str, Any], ctx: serialization.DecodeContext) -> ExportedJ
         raise fail(f"a function type taking {expected_param} for jax computation {name}", signature)
     seq_index, uses_reduce = meta.get("seq_index"), meta.get("uses_reduce")
     if seq_index is not None:
-        seq_index = serialization._int(seq_index, "the dataset parameter index", 0, len(names))
+        seq_index = serialization.check_int(seq_index, "the dataset parameter index", 0, len(names))
         if not isinstance(param_types[seq_index], types.SequenceType):
             raise fail(f"a sequence type at parameter {seq_index}", param_types[seq_index])
     if not isinstance(uses_reduce, bool):
@@ -182,22 +170,35 @@ def _decode(meta: dict[str, Any], ctx: serialization.DecodeContext) -> ExportedJ
         found = sorted(programs) if isinstance(programs, dict) else programs
         raise fail(f"the programs {list(parts)} for jax computation {name}", found)
     blobs = {p: ctx.blob(programs[p]) for p in parts}
-    try:
-        return ExportedJaxComputation(
-            name,
-            tuple(names),
-            param_types,
-            signature,
-            seq_index,
-            state_type,
-            uses_reduce,
-            blobs,
-            masked,
-        )
-    except (ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
-        raise fail(
-            f"exported StableHLO for jax computation {name}", f"unreadable bytes ({e})"
-        ) from None
+    expected = verify.expected_programs(
+        param_types, signature.result, seq_index, state_type, uses_reduce
+    )
+    if not ctx.trusted:
+        # Untrusted bytes reach jaxlib in this process only after another process has
+        # loaded, compiled and run them without harm.
+        verify.checker().check(name, blobs, expected)
+    exported = {}
+    for part, blob in blobs.items():
+        try:
+            exported[part] = jax.export.deserialize(bytearray(blob))
+        except Exception as e:  # any parse failure of the flatbuffer means damaged bytes
+            raise fail(
+                f"exported StableHLO for the {part} program of jax computation {name}",
+                f"unreadable bytes ({type(e).__name__}: {e})",
+            ) from e
+        verify.check_loaded(name, part, exported[part], expected[part])
+    return ExportedJaxComputation(
+        name,
+        tuple(names),
+        param_types,
+        signature,
+        seq_index,
+        state_type,
+        uses_reduce,
+        blobs,
+        masked,
+        exported,
+    )
 
 
 serialization.register_local_codec("jax", _encode, _decode)

@@ -199,3 +199,32 @@ def test_masked_reduce_sees_a_mask_of_real_examples():
     ]
     assert masked_mean.masked
     assert masked_mean(batches) == pytest.approx((0 + 1 + 2 + 3 + 10 + 11 + 12) / 7)
+
+
+def test_a_masked_reduce_over_batches_of_a_fixed_size():
+    # e.g. an element_spec taken from dataset.batch(20, drop_remainder=True)
+    element = {"x": (np.float32, [4, 3])}
+
+    @fl.jax_computation(fl.SequenceType(element))
+    def total(ds):
+        return ds.reduce(
+            np.float32(0),
+            lambda s, b, mask: s + jnp.sum(b["x"] * mask[:, None]),
+            masked=True,
+        )
+
+    batches = [{"x": np.ones((4, 3), np.float32)}, {"x": 2 * np.ones((4, 3), np.float32)}]
+    assert float(total(batches)) == 36.0
+    restored = fl.Computation.from_bytes(total.to_bytes(), trusted=True)
+    assert float(restored(batches)) == 36.0
+
+
+def test_jax_errors_keep_their_type_and_gain_a_note_that_says_what_to_do():
+    # Issue 16 item 3: they were re-raised as `type(e)(str(e))`, which garbled them.
+    with pytest.raises(jax.errors.TracerArrayConversionError) as info:
+
+        @fl.jax_computation(np.float32)
+        def to_numpy(x):
+            return np.asarray(x) + 1
+
+    assert any("use jax.numpy operations only" in note for note in info.value.__notes__)

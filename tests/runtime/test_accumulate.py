@@ -1,0 +1,150 @@
+"""Partial aggregates: folding clients in several places and merging equals folding once."""
+
+import numpy as np
+import pytest
+
+from fedlang.core import intrinsic_defs as defs
+from fedlang.core import serialization, sparse, structure, types
+from fedlang.runtime import accumulate, chunks
+
+F32x3 = types.TensorType(np.float32, [3])
+POINT = types.StructType([("a", F32x3), ("n", types.TensorType(np.int32))])
+
+
+def _clients(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=3).astype(np.float32), np.int32(rng.integers(-5, 5))) for _ in range(n)]
+
+
+def _chunk(values, t):
+    return chunks.stack(values, t)
+
+
+def _fold_in_parts(make, values, t, groups, through_bytes=True):
+    """One accumulator per group of clients; partials merged into a fresh one."""
+    final = make()
+    for group in groups:
+        acc = make()
+        part = [values[i] for i in group]
+        if part:
+            acc.add(_chunk(part, t), len(part))
+        partial = acc.partial()
+        if through_bytes:  # partials cross processes as values of their type
+            data = serialization.serialize_value(
+                structure.to_python(partial, acc.partial_type), acc.partial_type
+            )
+            partial = structure.to_internal(serialization.deserialize_value(data), acc.partial_type)
+        final.merge(partial)
+    return final.result()
+
+
+def _fold_once(make, values, t):
+    acc = make()
+    if values:
+        acc.add(_chunk(values, t), len(values))
+    return acc.result()
+
+
+def _assert_same(a, b, t):
+    for x, y in zip(structure.flatten(a, t), structure.flatten(b, t)):
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-6)
+
+
+GROUPINGS = [[[0, 1, 2], [3], [], [4, 5, 6]], [[6, 5], [4, 3, 2, 1, 0]], [[], []]]
+
+
+@pytest.mark.parametrize("groups", GROUPINGS)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: accumulate.Sum(POINT, defs.FEDERATED_SUM.empty),
+        lambda: accumulate.Mean(types.StructType([F32x3]), defs.FEDERATED_MEAN.empty),
+        lambda: accumulate.Extremum(POINT, True, defs.FEDERATED_MIN.empty),
+        lambda: accumulate.Extremum(POINT, False, defs.FEDERATED_MAX.empty),
+    ],
+    ids=["sum", "mean", "min", "max"],
+)
+def test_partials_merge_to_the_single_fold(make, groups):
+    n = sum(len(g) for g in groups)
+    t = make().member
+    values = [v if t is POINT else (v[0],) for v in _clients(n)]
+    _assert_same(_fold_in_parts(make, values, t, groups), _fold_once(make, values, t), t)
+
+
+def test_weighted_mean_partials():
+    member, weight = F32x3, types.TensorType(np.float32)
+    t = types.StructType([member, weight])
+    rng = np.random.default_rng(1)
+    values = [(rng.normal(size=3).astype(np.float32), np.float32(rng.uniform(0, 3))) for _ in range(7)]
+
+    def make():
+        return accumulate.WeightedMean(member, weight, defs.FEDERATED_WEIGHTED_MEAN.empty)
+
+    for groups in GROUPINGS[:2]:
+        _assert_same(_fold_in_parts(make, values, t, groups), _fold_once(make, values, t), member)
+
+
+def test_modular_partials_stay_exact_beyond_64_bits():
+    member = types.TensorType(np.int32, [2])
+    widths = [20]
+
+    def make():
+        return accumulate.ModularSum(member, [2**20], accumulate.bitwidth_moduli(widths))
+
+    values = [np.array([2**20 - 1, 7 * i], np.int32) for i in range(9)]
+    groups = [[0, 1, 2, 3], [4], [5, 6, 7, 8]]
+    assert np.array_equal(_fold_in_parts(make, values, member, groups), _fold_once(make, values, member))
+
+    def make_mod():
+        return accumulate.ModularSum(member, [1000003], lambda n: [1000003], [1000003])
+
+    big = [np.array([1000002, 999999], np.int32) for _ in range(9)]
+    assert np.array_equal(_fold_in_parts(make_mod, big, member, groups), _fold_once(make_mod, big, member))
+
+
+def test_aggregate_partials_use_the_merge_function():
+    calls = []
+
+    def call(fn, arg):
+        calls.append(fn)
+        return fn(arg)
+
+    member = types.TensorType(np.float32)
+
+    def make():
+        return accumulate.Aggregate(
+            member,
+            np.float32(0),
+            lambda a: np.float32(a[0] + a[1] * a[1]),  # sum of squares
+            lambda a: np.float32(a[0] + a[1]),
+            lambda a: np.float32(a),
+            call,
+            zero_type=member,
+        )
+
+    values = [np.float32(x) for x in range(7)]
+    got = _fold_in_parts(make, values, member, [[0, 1], [2, 3, 4], [], [5, 6]])
+    assert float(got) == sum(x * x for x in range(7))
+
+
+@pytest.mark.parametrize("mode", ["dense", "sum", "mean"])
+def test_sparse_partials(mode):
+    member = types.SparseTensorType(np.float32, (4, 3))
+    values = [
+        sparse.SparseTensor([[0, 1], [2, 2]], [1.0, 2.0], (4, 3)),
+        sparse.SparseTensor([[0, 1]], [5.0], (4, 3)),
+        sparse.SparseTensor([[3, 0], [2, 2]], [1.5, -1.0], (4, 3)),
+    ]
+
+    def make():
+        return accumulate.SparseSum(member, mode, defs.SPARSE_SUM.empty)
+
+    got = _fold_in_parts(make, values, member, [[0], [], [1, 2]])
+    want = _fold_once(make, values, member)
+    dense = lambda v: v if isinstance(v, np.ndarray) else v.to_dense()  # noqa: E731
+    np.testing.assert_allclose(dense(got), dense(want))
+
+
+def test_collecting_cannot_be_done_in_parts():
+    with pytest.raises(TypeError, match="cannot be aggregated in parts"):
+        accumulate.Collect(F32x3).partial()
