@@ -127,7 +127,7 @@ def main(rounds: int = 5, pretrain_epochs: int = 20, verbose: bool = True) -> di
                 print(f"round {round_num + 1}: train loss {float(metrics['client_work']['train']['loss']):.3f}"
                       f"  held-out loss {float(result['loss']):.3f}  accuracy {float(result['accuracy']):.3f}")
 
-    models.assign_weights_to_keras_model(process.get_model_weights(state), pretrained)
+    models.assign_weights_to_keras_model(pretrained, process.get_model_weights(state))
     if verbose:
         print("generated:", repr(generate(pretrained, "to be or ")))
     return {k: float(v) for k, v in result.items()}

@@ -5,7 +5,7 @@ import pytest
 
 import fedlang as fl
 from fedlang import aggregators
-from fedlang.core import templates
+from fedlang.core import processes
 
 pytestmark = pytest.mark.usefixtures("runtime")
 
@@ -21,7 +21,7 @@ def _values():
 
 def test_sum_factory_sums_and_is_stateless():
     process = aggregators.SumFactory().create(VALUE)
-    assert isinstance(process, templates.AggregationProcess)
+    assert isinstance(process, processes.AggregationProcess)
     assert not process.is_weighted
     out = process.next(process.initialize(), _values())
     np.testing.assert_allclose(out.result["b"], [4.0, 8.0])
@@ -69,9 +69,9 @@ class _CountingSum(aggregators.UnweightedAggregationFactory):
         def next_fn(state, value):
             out = inner.next(fl.federated_value((), fl.SERVER), value)
             calls = fl.federated_map(add_one, state)
-            return templates.MeasuredProcessOutput(calls, out.result, calls)
+            return processes.MeasuredProcessOutput(calls, out.result, calls)
 
-        return templates.AggregationProcess(initialize, next_fn)
+        return processes.AggregationProcess(initialize, next_fn)
 
 
 def test_mean_nests_inner_factories_and_reports_their_state_and_measurements():

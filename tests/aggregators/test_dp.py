@@ -1,3 +1,4 @@
+import jax
 import numpy as np
 import pytest
 
@@ -60,3 +61,68 @@ def test_adaptive_rejects_an_infeasible_budget():
     with pytest.raises(ValueError, match="fixed clip"):
         dp.DifferentiallyPrivateFactory(1.0, 4, aggregators.QuantileEstimator(1.0),
                                         mechanism="tree")
+
+
+def _only_on(request, *runtimes):
+    if request.node.callspec.params.get("runtime") not in runtimes:
+        pytest.skip(f"checked on {', '.join(runtimes)}: the arithmetic is the inner factory's")
+
+
+def test_dp_composes_with_a_secure_sum(request):
+    _only_on(request, "reference", "simulation")
+    # arrange: noise 0, so the result is the clipped mean, summed exactly or securely
+    values = [np.array([3.0, 4.0], np.float32), np.array([0.3, -0.4], np.float32)]
+    plain = aggregators.DifferentiallyPrivateFactory.gaussian_fixed(0.0, 2, clip=1.0)
+    secure = aggregators.DifferentiallyPrivateFactory.gaussian_fixed(
+        0.0, 2, clip=1.0, record_aggregation_factory=aggregators.SecureSumFactory(
+            1.0, bits=16, rounding="deterministic"))
+    # act
+    p, q = plain.create((np.float32, [2])), secure.create((np.float32, [2]))
+    a, b = p.next(p.initialize(), values), q.next(q.initialize(), values)
+    # assert: the same up to 16-bit quantization, and the secure sum reports its own
+    np.testing.assert_allclose(b.result, a.result, atol=2 * 2 / 65535)
+    inner = b.measurements["record_aggregation"]
+    assert float(inner["secure_upper_threshold"]) == 1.0 and int(inner["secure_bits_needed"]) == 17
+    assert "record_aggregation" not in a.measurements  # SumFactory measures nothing
+    assert set(b.state) == {"clip", "key", "round", "record_aggregation"}
+
+
+def test_a_noise_mechanism_is_an_object_of_pure_functions(request):
+    _only_on(request, "reference")
+    halves = dp.NoiseMechanism(
+        "halves", lambda key, r, like, s: (jax.tree.map(lambda x: x * 0 + 0.5 * s, like), key),
+        adaptive_clip=True, accounting="gaussian")
+    f = dp.DifferentiallyPrivateFactory(2.0, 1, clip=1.0, mechanism=halves)
+    p = f.create((np.float32, [2]))
+    out = p.next(p.initialize(), [np.array([0.3, 0.4], np.float32)])
+    np.testing.assert_allclose(out.result, [0.3 + 1.0, 0.4 + 1.0])  # + 0.5 * (z C)
+    assert dp.as_mechanism("tree") is dp.TREE
+    with pytest.raises(ValueError, match=r"mechanism in \['gaussian', 'tree'\]"):
+        dp.as_mechanism("laplace")
+
+
+def test_dp_over_secure_sum_trains_on_the_simulation_runtime(request):
+    _only_on(request, "simulation")
+    import jax.numpy as jnp
+    import optax
+
+    from fedlang.learning import algorithms, models
+
+    def model_fn():
+        return models.FunctionalModel(
+            init_fn=lambda rng: {"w": jnp.zeros([2, 2])}, apply_fn=lambda p, x: x @ p["w"],
+            loss_fn=lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(
+                logits, y).mean(),
+            input_spec={"x": (np.float32, [None, 2]), "y": (np.int32, [None])})
+
+    data = [[{"x": np.array([[1, 0], [0, 1]], np.float32), "y": np.array([0, 1], np.int32)}]] * 3
+    dp_secure = aggregators.DifferentiallyPrivateFactory.gaussian_fixed(
+        0.01, 3, clip=0.5, seed=0, record_aggregation_factory=aggregators.SecureSumFactory(0.5))
+    process = algorithms.build_unweighted_fed_avg(model_fn, optax.sgd(0.5),
+                                                  model_aggregator=dp_secure)
+    state = process.initialize()
+    for _ in range(2):
+        state, metrics = process.next(state, data)
+    w = process.get_model_weights(state).trainable["w"]
+    assert w[0, 0] > 0.1 and w[1, 1] > 0.1  # learned the diagonal
+    assert int(metrics["aggregator"]["record_aggregation"]["secure_overflow_risk"]) == 0

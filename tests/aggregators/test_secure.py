@@ -73,3 +73,34 @@ def test_bad_bounds():
         aggregators.SecureSumFactory(1.0, 2.0)
     with pytest.raises(ValueError, match="modulus"):
         aggregators.SecureModularSumFactory(1)
+
+
+def _on_two_runtimes(request):
+    if request.node.callspec.params.get("runtime") not in ("reference", "simulation"):
+        pytest.skip("the reference and the default simulation runtime suffice")
+
+
+def test_the_bits_a_cohort_needs_and_the_overflow_risk_are_measured(request):
+    _on_two_runtimes(request)
+    # 24-bit codes from 300 clients need 33 bits: the 32-bit sum wraps (300 -> 44)
+    p = _p("24", lambda: aggregators.SecureSumFactory(1, 0, bits=24).create(np.float32))
+    out = p.next(p.initialize(), [np.float32(1)] * 300)
+    assert float(out.result) == pytest.approx(44.0, abs=1e-3)
+    assert int(out.measurements["secure_bits_needed"]) == 33
+    assert int(out.measurements["secure_overflow_risk"]) == 1
+    fine = p.next(p.initialize(), [np.float32(1)] * 256)
+    assert float(fine.result) == pytest.approx(256.0, rel=1e-5)
+    assert (int(fine.measurements["secure_bits_needed"]),
+            int(fine.measurements["secure_overflow_risk"])) == (32, 0)
+
+
+def test_non_finite_values_are_left_out_and_counted_never_a_bound(request):
+    _on_two_runtimes(request)
+    p = _p("nan", lambda: aggregators.SecureSumFactory(
+        1.0, 0.5, bits=12, rounding="deterministic").create((np.float32, [2])))
+    values = [np.array([np.nan, 0.75], np.float32), np.array([0.75, 0.75], np.float32),
+              np.array([np.inf, 0.6], np.float32)]
+    out = p.next(p.initialize(), values)
+    np.testing.assert_allclose(out.result, [0.75, 0.75], atol=1e-3)  # only the finite client
+    assert int(out.measurements["secure_nonfinite_count"]) == 2
+    assert int(out.measurements["secure_upper_clipped_count"]) == 0

@@ -6,12 +6,17 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import flax.linen as nn
 import jax.numpy as jnp
-import keras
 import numpy as np
 import optax
 import pytest
 
 from fedlang.learning import algorithms, models
+
+try:  # Keras is an extra: its tests skip where it is not installed (the GPU check machine)
+    import keras
+except ImportError:
+    keras = None
+needs_keras = pytest.mark.skipif(keras is None, reason="Keras is not installed")
 
 SPEC = {"x": (np.float32, [None, 4]), "y": (np.int32, [None])}
 RNG = np.random.default_rng(0)
@@ -52,7 +57,7 @@ def jax_fn():
 def keras_fn():
     m = keras_model()
     models.assign_weights_to_keras_model(
-        models.ModelWeights([KERNEL1, BIAS1, KERNEL2, BIAS2], []), m)
+        m, models.ModelWeights([KERNEL1, BIAS1, KERNEL2, BIAS2], []))
     return models.from_keras_model(
         m, keras.losses.SparseCategoricalCrossentropy(from_logits=True), SPEC,
         metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
@@ -72,6 +77,7 @@ def train(model_fn, initial=None):
     return process.get_model_weights(state), metrics["client_work"]["train"]
 
 
+@needs_keras
 def test_keras_flax_and_jax_train_to_the_same_weights():
     jax_w, jax_m = train(jax_fn)
     keras_w, keras_m = train(keras_fn)
@@ -89,6 +95,7 @@ def test_keras_flax_and_jax_train_to_the_same_weights():
     np.testing.assert_allclose(keras_m["accuracy"], flax_m["accuracy"])
 
 
+@needs_keras
 def test_keras_batchnorm_statistics_are_trained_and_copied_back():
     def fn():
         m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5),
@@ -102,7 +109,7 @@ def test_keras_batchnorm_statistics_are_trained_and_copied_back():
     moving_mean, moving_var = weights.non_trainable
     assert np.all(moving_mean != 0) and np.all(moving_var != 1)
     target = fn().keras_model
-    models.assign_weights_to_keras_model(weights, target)
+    models.assign_weights_to_keras_model(target, weights)
     np.testing.assert_allclose(np.asarray(target.non_trainable_variables[0].value), moving_mean)
     np.testing.assert_allclose(models.weights_from_keras_model(target).trainable[0],
                                weights.trainable[0])
@@ -119,14 +126,130 @@ def test_flax_batch_stats_are_non_trainable():
         model.weights_type())
 
 
+@needs_keras
 def test_bad_inputs_fail_with_expected_found():
     with pytest.raises(TypeError, match=r"Expected input_spec to describe one batch"):
         models.FunctionalModel(lambda r: {}, lambda p, x: x, xent, {"features": np.float32})
     with pytest.raises(TypeError, match=r"Expected a built Keras model"):
         models.from_keras_model(keras.Sequential([keras.layers.Dense(2)]), xent, SPEC)
     with pytest.raises(ValueError, match=r"Expected 4 trainable weights"):
-        models.assign_weights_to_keras_model(models.ModelWeights([KERNEL1], []), keras_model())
+        models.assign_weights_to_keras_model(keras_model(), models.ModelWeights([KERNEL1], []))
     with pytest.raises(TypeError, match=r"Expected model_fn to be a no-argument function"):
         algorithms.build_weighted_fed_avg(jax_fn(), optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"Expected client_weighting"):
         algorithms.build_weighted_fed_avg(jax_fn, optax.sgd(0.1), client_weighting="bytes")
+
+
+# -- a TFF user's first day (issue 16, items 1-6) -------------------------------------------
+
+XS = RNG.normal(size=(10, 4)).astype(np.float32)
+YS = RNG.integers(0, 3, 10).astype(np.int32)
+
+
+def _linear(input_spec):
+    return lambda: models.FunctionalModel(
+        init_fn=lambda rng: {"w": jnp.asarray(KERNEL1[:, :3])},
+        apply_fn=lambda p, x: x @ p["w"], loss_fn=xent, input_spec=input_spec,
+        metrics=[models.Accuracy()])
+
+
+def test_an_element_spec_with_a_fixed_batch_size_trains_and_evaluates():
+    # arrange: TFF's habit, input_spec=dataset.element_spec after batch(drop_remainder=True)
+    from fedlang.simulation import Dataset
+
+    ds = Dataset.from_tensor_slices({"x": XS, "y": YS}).batch(4, drop_remainder=True)
+    assert str(ds.element_spec) == "<x=float32[4,4],y=int32[4]>"
+    model_fn = _linear(ds.element_spec)
+    # act: training and evaluation, with a last batch of another size too
+    process = algorithms.build_weighted_fed_avg(model_fn, optax.sgd(0.1))
+    out = process.next(process.initialize(), [ds, Dataset.from_tensor_slices({"x": XS, "y": YS}).batch(3)])
+    evaluator = algorithms.build_fed_eval(model_fn)
+    evaluated = evaluator.next(evaluator.initialize(), [ds])
+    # assert
+    assert str(model_fn().input_spec) == "<x=float32[?,4],y=int32[?]>"
+    assert int(out.metrics["client_work"]["train"]["num_examples"]) == 8 + 10
+    assert int(evaluated.metrics["client_work"]["eval"]["current_round_metrics"]["num_examples"]) == 8
+
+
+def test_tuple_batches_train_like_dict_batches():
+    # arrange: (x, y) pairs, as two of TFF's four tutorials batch them
+    from fedlang.simulation import Dataset
+
+    pairs = Dataset.from_tensor_slices((XS, YS)).batch(5)
+    dicts = [{"x": XS[i:i + 5], "y": YS[i:i + 5]} for i in (0, 5)]
+    # act
+    tuple_process = algorithms.build_weighted_fed_avg(_linear(pairs.element_spec), optax.sgd(0.1))
+    dict_process = algorithms.build_weighted_fed_avg(_linear(SPEC), optax.sgd(0.1))
+    a = tuple_process.next(tuple_process.initialize(), [pairs])
+    b = dict_process.next(dict_process.initialize(), [dicts])
+    # assert
+    np.testing.assert_allclose(tuple_process.get_model_weights(a.state).trainable["w"],
+                               dict_process.get_model_weights(b.state).trainable["w"], rtol=1e-6)
+    with pytest.raises(TypeError, match=r"or a pair \(x, y\)"):
+        models.FunctionalModel(lambda r: {}, lambda p, x: x, xent, ((np.float32, [None, 4]),) * 3)
+
+
+@needs_keras
+def test_a_keras_model_built_inside_a_computation():
+    # TFF's tutorials call model_fn() inside computations; Keras's weights are then traced.
+    import jax
+
+    import fedlang as fl
+
+    def model_fn():
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        return models.from_keras_model(
+            m, keras.losses.SparseCategoricalCrossentropy(from_logits=True), SPEC)
+
+    @fl.jax_computation()
+    def initial_weights():
+        return model_fn().initial_weights(jax.random.key(0))
+
+    weights = initial_weights()
+    assert [np.shape(w) for w in weights.trainable] == [(4, 3), (3,)]
+
+
+def test_importing_fedlang_chooses_the_jax_backend_for_a_later_keras_import(monkeypatch):
+    import importlib
+
+    from fedlang.learning import models as models_module
+
+    monkeypatch.delenv("KERAS_BACKEND")
+    importlib.reload(models_module)
+    assert os.environ["KERAS_BACKEND"] == "jax"
+    monkeypatch.setenv("KERAS_BACKEND", "numpy")
+    importlib.reload(models_module)
+    assert os.environ["KERAS_BACKEND"] == "numpy"  # an explicit choice is respected
+
+
+@needs_keras
+@pytest.mark.slow
+def test_keras_imported_before_fedlang_works_or_names_what_to_set():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    first = subprocess.run(
+        [sys.executable, "-c", "import fedlang, keras; print(keras.backend.backend())"],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert first.returncode == 0, first.stderr[-500:]
+    assert first.stdout.strip() == "jax"
+    other = subprocess.run(
+        [sys.executable, "-c", "import keras, fedlang\n"
+         "from fedlang.learning import models\n"
+         "models.from_keras_model(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), "
+         "None, {'x': ('float32', [None, 2]), 'y': ('int32', [None])})"],
+        capture_output=True, text=True, timeout=120, env={**env, "KERAS_BACKEND": "numpy"})
+    assert other.returncode != 0
+    assert "found Keras already imported with the 'numpy' backend" in other.stderr
+    assert "KERAS_BACKEND=jax" in other.stderr
+
+
+@needs_keras
+def test_assign_weights_to_keras_model_takes_tff_argument_order():
+    m = keras_model()
+    weights = models.ModelWeights([KERNEL1, BIAS1, KERNEL2, BIAS2], [])
+    models.assign_weights_to_keras_model(m, weights)
+    np.testing.assert_array_equal(np.asarray(m.trainable_variables[0].value), KERNEL1)
+    with pytest.raises(TypeError, match=r"Swap the arguments"):
+        models.assign_weights_to_keras_model(weights, m)

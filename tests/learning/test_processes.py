@@ -62,7 +62,7 @@ def test_fed_adam_keeps_adam_state_in_a_checkpointable_pytree():
     leaves = jax.tree.leaves(state)
     assert all(isinstance(x, np.ndarray | np.generic) for x in leaves)
     assert float(process.get_hparams(state)["finalizer"]["learning_rate"]) == pytest.approx(0.01)
-    assert set(metrics) == {"distributor", "client_work", "aggregator", "finalizer"}
+    assert set(metrics) == {"distributor", "client_work", "aggregator", "finalizer", "traffic"}
     restored = jax.tree.unflatten(jax.tree.structure(state), leaves)
     state2, _ = process.next(restored, DATA)
     assert int(state2.finalizer["round_num"]) == 2
@@ -93,3 +93,31 @@ def test_masked_batches_ignore_padding():
     np.testing.assert_allclose(masked.get_model_weights(b_state).trainable["w"], a.trainable["w"],
                                rtol=1e-6)
     assert int(metrics["client_work"]["train"]["num_examples"]) == 4
+
+
+@pytest.mark.parametrize("runtime_name", ["reference", "simulation"])
+def test_an_empty_cohort_changes_no_weights_and_reports_zero_clients(runtime_name):
+    # arrange
+    from fedlang.core import context
+    from fedlang.runtime import ReferenceContext, SimulationContext
+
+    previous = context.get_default_context()
+    context.set_default_context(
+        ReferenceContext() if runtime_name == "reference" else SimulationContext())
+    try:
+        process = algorithms.build_weighted_fed_avg(model_fn, optax.sgd(0.1))
+        state = process.initialize()
+        # act
+        new_state, metrics = process.next(state, [])
+    finally:
+        context.set_default_context(previous)
+    # assert: weights and optimizer state unchanged, NaN-free; only the round counters move
+    np.testing.assert_array_equal(process.get_model_weights(new_state).trainable["w"],
+                                  process.get_model_weights(state).trainable["w"])
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(new_state))
+    assert int(new_state.finalizer["round_num"]) == 1
+    diagnostics = metrics["client_work"]["diagnostics"]
+    assert int(diagnostics["num_clients"]) == 0 and float(diagnostics["update_norm_max"]) == 0.0
+    assert int(metrics["client_work"]["train"]["num_examples"]) == 0
+    assert float(metrics["client_work"]["train"]["loss"]) == 0.0
+    assert int(metrics["traffic"]["num_clients"]) == 0

@@ -162,7 +162,7 @@ def test_sparse_batches_flow_through_a_reduce_without_densifying():
     np.testing.assert_allclose(got, want, rtol=1e-5)
     # The step sees the COO leaves only: no intermediate has a vocabulary-sized dimension.
     leaves = [jnp.zeros((12, 2), jnp.int32), jnp.zeros(12, jnp.float32), jnp.zeros(4, jnp.int32)]
-    jaxpr = jax.make_jaxpr(score.trace_fn("step"))(
+    jaxpr = jax.make_jaxpr(score.part("step"))(
         jnp.zeros(8, jnp.float32), jnp.float32(0), *leaves, jnp.ones(4, jnp.float32)
     )
     assert vocab not in {d for v in jaxpr.jaxpr.eqns for o in v.outvars for d in o.aval.shape}

@@ -23,5 +23,5 @@ from fedlang.aggregators.robust import TrimmedMeanFactory as TrimmedMeanFactory
 from fedlang.aggregators.secure import SecureModularSumFactory as SecureModularSumFactory
 from fedlang.aggregators.secure import SecureSumFactory as SecureSumFactory
 from fedlang.aggregators.sum import SumFactory as SumFactory
-from fedlang.core.templates import AggregationProcess as AggregationProcess
-from fedlang.core.templates import MeasuredProcessOutput as MeasuredProcessOutput
+from fedlang.core.processes import AggregationProcess as AggregationProcess
+from fedlang.core.processes import MeasuredProcessOutput as MeasuredProcessOutput

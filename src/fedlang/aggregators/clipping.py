@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlang.aggregators import factory, quantile, tools
-from fedlang.core import jax_computation as jax_backend
-from fedlang.core import operators, templates, tracing, types
+from fedlang.backends.jax import computation as jax_backend
+from fedlang.core import operators, processes, tracing, types
 
 _NAMES = {
     "clip": ("clipping", "clipping_norm", "clipped_count"),
@@ -38,7 +38,7 @@ _NAMES = {
 
 def limit_norm(value: Any, norm: Any, mode: str) -> tuple[Any, Any, Any]:
     """JAX: `(limited value, 1 if it was clipped/zeroed else 0, its L2 norm)`."""
-    n = tools.tree_norm(value)
+    n = tools.global_norm(value)
     if mode == "clip":
         hit = n > norm
         scale = jnp.where(hit, norm / jnp.where(n > 0, n, 1.0), jnp.float32(1))
@@ -51,7 +51,7 @@ def limit_norm(value: Any, norm: Any, mode: str) -> tuple[Any, Any, Any]:
 
 def build(
     mode: str, norm: Any, inner_factory: Any, value_type: Any, weight_type: Any = None
-) -> templates.AggregationProcess:
+) -> processes.AggregationProcess:
     """The clipping (`mode='clip'`) or zeroing (`'zero'`) process around an inner process."""
     value_t = factory.check_value_type(value_type, "f")
     weighted = weight_type is not None
@@ -60,11 +60,13 @@ def build(
     adaptive = isinstance(norm, quantile.QuantileEstimator)
     inner_name, norm_name, count_name = _NAMES[mode]
     limited_t = types.to_type({"value": value_t, "hit": np.int32, "report": np.float32})
+    norms_t = types.to_type({"threshold": np.float32, "estimate": np.float32})
 
-    @jax_backend.jax_computation(value_t, np.float32, result_type=limited_t)
-    def limit(value, c):
-        out, hit, n = limit_norm(value, c, mode)
-        return {"value": out, "hit": hit, "report": quantile.QuantileEstimator.report(n, c)}
+    @jax_backend.jax_computation(value_t, norms_t, result_type=limited_t)
+    def limit(value, norms):
+        out, hit, n = limit_norm(value, norms["threshold"], mode)
+        return {"value": out, "hit": hit,
+                "report": quantile.QuantileEstimator.report(n, norms["estimate"])}
 
     @tracing.federated_computation()
     def initialize():
@@ -80,13 +82,19 @@ def build(
         def update_norm(s, report_sum, n):
             return norm.update(s, report_sum, n)
 
+        @jax_backend.jax_computation(quantile.STATE_TYPE, result_type=norms_t)
+        def norms_of(s):
+            return {"threshold": norm.threshold(s), "estimate": s["estimate"]}
+
     def body(state, value, *weight):
-        c = (
-            state.norm.estimate
+        norms = (
+            operators.federated_map(norms_of, state.norm)
             if adaptive
-            else operators.federated_value(np.float32(norm), types.SERVER)
+            else operators.federated_value(
+                {"threshold": np.float32(norm), "estimate": np.float32(norm)}, types.SERVER)
         )
-        limited = operators.federated_map(limit, (value, operators.federated_broadcast(c)))
+        c = norms.threshold
+        limited = operators.federated_map(limit, (value, operators.federated_broadcast(norms)))
         out = inner.next(state.inner, limited.value, *weight)
         new_state = {"inner": out.state}
         if adaptive:
@@ -101,7 +109,7 @@ def build(
             norm_name: c,
             count_name: operators.federated_sum(limited.hit),
         }
-        return templates.MeasuredProcessOutput(
+        return processes.MeasuredProcessOutput(
             operators.federated_zip(new_state), out.result, operators.federated_zip(measurements)
         )
 
@@ -110,7 +118,7 @@ def build(
 
 def make_process(
     initialize: Any, body: Any, value_t: types.Type, weight_t: types.Type | None
-) -> templates.AggregationProcess:
+) -> processes.AggregationProcess:
     """An `AggregationProcess` whose `next` is `body(state, value[, weight])`, traced."""
     state_t = initialize.type_signature.result
     if weight_t is None:
@@ -127,14 +135,14 @@ def make_process(
         def next_fn(state, value, weight):
             return body(state, value, weight)
 
-    return templates.AggregationProcess(initialize, next_fn)
+    return processes.AggregationProcess(initialize, next_fn)
 
 
 class _UnweightedNorm(factory.UnweightedAggregationFactory):
     def __init__(self, mode: str, norm: Any, inner: Any):
         self._mode, self._norm, self._inner = mode, norm, inner
 
-    def create(self, value_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any) -> processes.AggregationProcess:
         """Returns the process for floating `value_type` (see the module docstring)."""
         return build(self._mode, self._norm, self._inner, value_type)
 
@@ -143,7 +151,7 @@ class _WeightedNorm(factory.WeightedAggregationFactory):
     def __init__(self, mode: str, norm: Any, inner: Any):
         self._mode, self._norm, self._inner = mode, norm, inner
 
-    def create(self, value_type: Any, weight_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any, weight_type: Any) -> processes.AggregationProcess:
         """Returns the process for floating `value_type` and scalar `weight_type`."""
         return build(self._mode, self._norm, self._inner, value_type, weight_type)
 

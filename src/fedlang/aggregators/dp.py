@@ -1,44 +1,54 @@
 """`DifferentiallyPrivateFactory`: the Gaussian mechanism (DP-FedAvg) and DP-FTRL tree noise.
 
-Each client's value is clipped to global L2 norm `C`; the server sums the clipped
-values, adds Gaussian noise, and divides by the *expected* number of clients per round
-(`clients_per_round`), so the result is a noised mean whose denominator does not leak
-the actual count (McMahan et al., "Learning Differentially Private Recurrent Language
-Models", 2018). Noise is added on the server after summing; it is drawn from a PRNG
+Each client's value is clipped to global L2 norm `C`; the clipped values are summed by
+an inner *record aggregation* factory (`SumFactory()` by default; `SecureSumFactory`
+for DP over secure aggregation, as TFF's `DifferentiallyPrivateFactory(query,
+record_aggregation_factory)`); the server adds noise to the sum and divides by the
+*expected* number of clients per round (`clients_per_round`), so the result is a noised
+mean whose denominator does not leak the actual count (McMahan et al., "Learning
+Differentially Private Recurrent Language Models", 2018). Noise is drawn from a PRNG
 key carried in the state, so a run is reproducible from its seed.
 
-* `gaussian_fixed(z, n, C)`: noise `N(0, (z C)^2)` per coordinate.
-* `gaussian_adaptive(z, n, ...)`: `C` follows a private quantile estimate of the client
-  norms (Andrew et al., 2021); the noise budget is split between the value
-  (`z_value`) and the clipped-count query so the whole round has multiplier `z`:
-  `z^-2 = z_value^-2 + (2 sigma_b)^-2`.
-* `tree_aggregation(z, n, C)`: DP-FTRL (Kairouz et al., 2021). Round `t` releases
-  `sum_t + N(t+1) - N(t)`, where `N(m)` is the sum of the Gaussian noises of the
-  dyadic tree nodes covering rounds `[0, m)`; the *cumulative* sum of the results (what
-  an FTRL / SGD server accumulates) carries only `O(log t)` node noises.
+A DP aggregation is a clip (a number, or a `QuantileEstimator` for an adaptive clip)
+and a `NoiseMechanism`, an object of pure functions (`GAUSSIAN`, `TREE`):
+
+* `gaussian_fixed(z, n, C)`: `GAUSSIAN` noise `N(0, (z C)^2)` per coordinate.
+* `gaussian_adaptive(z, n, ...)`: `GAUSSIAN`, with `C` following a private quantile
+  estimate of the client norms (Andrew et al., 2021); the noise budget is split between
+  the value (`z_value`) and the clipped-count query so the whole round has multiplier
+  `z`: `z^-2 = z_value^-2 + (2 sigma_b)^-2`.
+* `tree_aggregation(z, n, C)`: `TREE`, DP-FTRL (Kairouz et al., 2021). Round `t`
+  releases `sum_t + N(t+1) - N(t)`, where `N(m)` is the sum of the Gaussian noises of
+  the dyadic tree nodes covering rounds `[0, m)`; the *cumulative* sum of the results
+  (what an FTRL / SGD server accumulates) carries only `O(log t)` node noises.
 
 Type signature (unweighted):
 
     create(V) -> AggregationProcess
-      initialize: ( -> <clip=..., key=uint32[2], round=int32>@SERVER)
+      initialize: ( -> <clip=...,key=uint32[2],round=int32,record_aggregation=S>@SERVER)
       next: (<state, {V}@CLIENTS> -> <state, V@SERVER,
-             <dp_clip=float32,noise_stddev=float32,clipped_count=int32,num_clients=int32>@SERVER>)
+             <dp_clip=float32,noise_stddev=float32,clipped_count=int32,num_clients=int32
+              [,record_aggregation=M]>@SERVER>)
 
-`clip` is a `float32` for fixed clipping, the `QuantileEstimator` state when adaptive.
-Privacy is accounted with `fedlang.aggregators.dp_epsilon` / `PrivacyAccountant`.
+`clip` is a `float32` for a fixed clip, the `QuantileEstimator` state when adaptive;
+`S` and `M` are the record aggregation's state and measurements (`M` only when it has
+some). Privacy is accounted with `fedlang.aggregators.dp_epsilon` / `PrivacyAccountant`
+(`mechanism=` the `NoiseMechanism`'s `accounting`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fedlang.aggregators import clipping, factory, quantile, tools
-from fedlang.core import jax_computation as jax_backend
-from fedlang.core import operators, templates, tracing, types
+from fedlang.aggregators import sum as sum_lib
+from fedlang.backends.jax import computation as jax_backend
+from fedlang.core import operators, processes, tracing, types
 
 TREE_LEVELS = 24  # supports 2^24 rounds
 
@@ -61,6 +71,62 @@ def tree_noise(key: Any, m: Any, like: Any, stddev: Any) -> Any:
     return jax.lax.fori_loop(0, TREE_LEVELS, add_level, jax.tree.map(jnp.zeros_like, like))
 
 
+class NoiseMechanism(NamedTuple):
+    """How the server noises the sum of clipped values: a pure JAX function and facts.
+
+    Attributes:
+      name: its name (also accepted by `DifferentiallyPrivateFactory(mechanism=...)`).
+      noise: `noise(key, round_num, like, stddev) -> (noise, next_key)`: the noise to
+        add to the sum `like` in round `round_num` (an int32 scalar) and the key of the
+        next round (raw `uint32[2]` keys).
+      adaptive_clip: whether it may be used with an adaptive clip.
+      accounting: the `mechanism` argument of `dp_epsilon` / `PrivacyAccountant`.
+    """
+
+    name: str
+    noise: Callable[[Any, Any, Any, Any], tuple[Any, Any]]
+    adaptive_clip: bool
+    accounting: str
+
+
+def _gaussian_noise(key: Any, round_num: Any, like: Any, stddev: Any) -> tuple[Any, Any]:
+    del round_num
+    next_key, round_key = tools.split(key)
+    return tools.gaussian_like(tools.wrap(round_key), like, stddev), next_key
+
+
+def _tree_noise(key: Any, round_num: Any, like: Any, stddev: Any) -> tuple[Any, Any]:
+    k = tools.wrap(key)
+    noise = jax.tree.map(lambda a, b: a - b, tree_noise(k, round_num + 1, like, stddev),
+                         tree_noise(k, round_num, like, stddev))
+    return noise, key  # node noises are regenerated from the same key every round
+
+
+# Fresh N(0, (z C)^2) noise each round: DP-FedAvg, with a fixed or an adaptive clip.
+GAUSSIAN = NoiseMechanism("gaussian", _gaussian_noise, adaptive_clip=True, accounting="gaussian")
+# DP-FTRL's dyadic tree noise (module docstring): a fixed clip only.
+TREE = NoiseMechanism("tree", _tree_noise, adaptive_clip=False, accounting="tree")
+MECHANISMS = {m.name: m for m in (GAUSSIAN, TREE)}
+
+
+def as_mechanism(mechanism: str | NoiseMechanism) -> NoiseMechanism:
+    """A `NoiseMechanism` from itself or its name.
+
+    Raises:
+      ValueError: for an unknown name; TypeError: for anything else.
+    """
+    if isinstance(mechanism, NoiseMechanism):
+        return mechanism
+    if isinstance(mechanism, str):
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"Expected mechanism in {sorted(MECHANISMS)}, found {mechanism!r}.")
+        return MECHANISMS[mechanism]
+    raise TypeError(
+        "Expected a NoiseMechanism (dp.GAUSSIAN, dp.TREE) or its name, found "
+        f"{type(mechanism).__name__}."
+    )
+
+
 class DifferentiallyPrivateFactory(factory.UnweightedAggregationFactory):
     """A differentially private noised mean of clipped client values.
 
@@ -72,10 +138,14 @@ class DifferentiallyPrivateFactory(factory.UnweightedAggregationFactory):
         clip norm (the sensitivity of the sum).
       clients_per_round: the expected number of clients per round (the denominator).
       clip: a positive L2 norm, or a `QuantileEstimator` (adaptive).
-      mechanism: 'gaussian' or 'tree' (DP-FTRL tree aggregation; fixed clip only).
+      mechanism: a `NoiseMechanism` (`GAUSSIAN`; `TREE` for DP-FTRL with a fixed clip),
+        or its name.
       value_noise_multiplier: the multiplier applied to the value (defaults to
         `noise_multiplier`; smaller when part of the budget goes to adaptive clipping).
       seed: the seed of the noise (None: a random seed at `create`).
+      record_aggregation_factory: the unweighted factory summing the clipped values
+        (default `SumFactory()`), e.g. `SecureSumFactory(C)` for a fixed clip `C` (each
+        coordinate of a value of L2 norm at most `C` lies in `[-C, C]`).
 
     Raises:
       TypeError / ValueError: on out-of-range or ill-typed arguments.
@@ -97,34 +167,43 @@ class DifferentiallyPrivateFactory(factory.UnweightedAggregationFactory):
         clients_per_round: float,
         clip: float | quantile.QuantileEstimator,
         *,
-        mechanism: str = "gaussian",
+        mechanism: str | NoiseMechanism = GAUSSIAN,
         value_noise_multiplier: float | None = None,
         seed: int | None = None,
+        record_aggregation_factory: factory.UnweightedAggregationFactory | None = None,
     ):
         self.noise_multiplier = tools.check_number("noise_multiplier", noise_multiplier)
         self.clients_per_round = tools.check_number(
             "clients_per_round", clients_per_round, 0.0, strict=True
         )
         self.clip = quantile.as_norm(clip, "clip")
-        if mechanism not in ("gaussian", "tree"):
-            raise ValueError(f"Expected mechanism 'gaussian' or 'tree', found {mechanism!r}.")
-        if mechanism == "tree" and isinstance(self.clip, quantile.QuantileEstimator):
+        self.mechanism = as_mechanism(mechanism)
+        if not self.mechanism.adaptive_clip and isinstance(self.clip, quantile.QuantileEstimator):
             raise ValueError(
-                "Expected a fixed clip for tree aggregation, found a QuantileEstimator; "
-                "DP-FTRL's accounting assumes a fixed sensitivity."
+                f"Expected a fixed clip for the {self.mechanism.name!r} mechanism (tree "
+                "aggregation), found a QuantileEstimator; DP-FTRL's accounting assumes a fixed "
+                "sensitivity."
             )
-        self.mechanism = mechanism
         self.value_noise_multiplier = (
             self.noise_multiplier
             if value_noise_multiplier is None
             else tools.check_number("value_noise_multiplier", value_noise_multiplier)
         )
         self.seed = seed
+        inner = sum_lib.SumFactory() if record_aggregation_factory is None else (
+            record_aggregation_factory)
+        if not isinstance(inner, factory.UnweightedAggregationFactory):
+            raise TypeError(
+                "Expected record_aggregation_factory to be an UnweightedAggregationFactory "
+                f"(SumFactory(), SecureSumFactory(...)), found {type(inner).__name__}."
+            )
+        self.record_aggregation_factory = inner
 
     @classmethod
     def gaussian_fixed(
         cls, noise_multiplier: float, clients_per_round: float, clip: float,
         seed: int | None = None,
+        record_aggregation_factory: factory.UnweightedAggregationFactory | None = None,
     ) -> DifferentiallyPrivateFactory:
         """The Gaussian mechanism with a fixed clip norm (DP-FedAvg).
 
@@ -133,11 +212,13 @@ class DifferentiallyPrivateFactory(factory.UnweightedAggregationFactory):
           clients_per_round: the expected cohort size (the mean's denominator).
           clip: the L2 norm each client's value is clipped to.
           seed: the noise seed (None: random).
+          record_aggregation_factory: sums the clipped values (default `SumFactory()`).
 
         Returns:
           A `DifferentiallyPrivateFactory`.
         """
-        return cls(noise_multiplier, clients_per_round, clip, seed=seed)
+        return cls(noise_multiplier, clients_per_round, clip, seed=seed,
+                   record_aggregation_factory=record_aggregation_factory)
 
     @classmethod
     def gaussian_adaptive(
@@ -149,6 +230,7 @@ class DifferentiallyPrivateFactory(factory.UnweightedAggregationFactory):
         learning_rate: float = 0.2,
         clipped_count_stddev: float | None = None,
         seed: int | None = None,
+        record_aggregation_factory: factory.UnweightedAggregationFactory | None = None,
     ) -> DifferentiallyPrivateFactory:
         """The Gaussian mechanism with an adaptive clip (Andrew et al., 2021).
 
@@ -162,6 +244,8 @@ class DifferentiallyPrivateFactory(factory.UnweightedAggregationFactory):
           clipped_count_stddev: the noise on the count of unclipped clients (default
             `0.05 * clients_per_round`, as in TFF).
           seed: the noise seed (None: random).
+          record_aggregation_factory: sums the clipped values (default `SumFactory()`;
+            a secure sum needs bounds that follow the clip, e.g. adaptive ones).
 
         Returns:
           A `DifferentiallyPrivateFactory`.
@@ -188,12 +272,14 @@ class DifferentiallyPrivateFactory(factory.UnweightedAggregationFactory):
             noise_stddev=sigma_b, expected_clients=n,
             seed=None if seed is None else seed + 1,
         )
-        return cls(z, n, estimator, value_noise_multiplier=z_value, seed=seed)
+        return cls(z, n, estimator, value_noise_multiplier=z_value, seed=seed,
+                   record_aggregation_factory=record_aggregation_factory)
 
     @classmethod
     def tree_aggregation(
         cls, noise_multiplier: float, clients_per_round: float, clip: float,
         seed: int | None = None,
+        record_aggregation_factory: factory.UnweightedAggregationFactory | None = None,
     ) -> DifferentiallyPrivateFactory:
         """DP-FTRL's tree-aggregated noise (see the module docstring).
 
@@ -203,56 +289,48 @@ class DifferentiallyPrivateFactory(factory.UnweightedAggregationFactory):
         Returns:
           A `DifferentiallyPrivateFactory`.
         """
-        return cls(noise_multiplier, clients_per_round, clip, mechanism="tree", seed=seed)
+        return cls(noise_multiplier, clients_per_round, clip, mechanism=TREE, seed=seed,
+                   record_aggregation_factory=record_aggregation_factory)
 
-    def create(self, value_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any) -> processes.AggregationProcess:
         """Returns the DP process for floating `value_type` (see the module docstring)."""
         value_t = factory.check_value_type(value_type, "f")
-        clip, adaptive, tree = self.clip, isinstance(self.clip, quantile.QuantileEstimator), (
-            self.mechanism == "tree")
+        clip, adaptive = self.clip, isinstance(self.clip, quantile.QuantileEstimator)
+        noise_fn = self.mechanism.noise
         z, n_expected = self.value_noise_multiplier, self.clients_per_round
+        inner = self.record_aggregation_factory.create(value_t)
         clip_t = quantile.STATE_TYPE if adaptive else types.TensorType(np.float32)
         state_t = types.to_type({"clip": clip_t, "key": tools.KEY_TYPE, "round": np.int32})
         limited_t = types.to_type({"value": value_t, "hit": np.int32, "report": np.float32})
-        seed_key = tools.seed_key(self.seed)
+        norms_t = types.to_type({"threshold": np.float32, "estimate": np.float32})
         initial = {
             "clip": (
                 clip.initial_state()
                 if isinstance(clip, quantile.QuantileEstimator)  # i.e. adaptive
                 else np.float32(clip)
             ),
-            "key": seed_key,
+            "key": tools.seed_key(self.seed),
             "round": np.int32(0),
         }
 
-        @jax_backend.jax_computation(value_t, np.float32, result_type=limited_t)
-        def limit(value, c):
-            out, hit, norm = clipping.limit_norm(value, c, "clip")
-            return {"value": out, "hit": hit, "report": quantile.QuantileEstimator.report(norm, c)}
+        @jax_backend.jax_computation(value_t, norms_t, result_type=limited_t)
+        def limit(value, norms):
+            out, hit, norm = clipping.limit_norm(value, norms["threshold"], "clip")
+            return {"value": out, "hit": hit,
+                    "report": quantile.QuantileEstimator.report(norm, norms["estimate"])}
 
         def clip_of(state):
-            return state["clip"]["estimate"] if adaptive else state["clip"]
+            return clip.threshold(state["clip"]) if adaptive else state["clip"]
 
-        @jax_backend.jax_computation(state_t, result_type=np.float32)
-        def current_clip(state):
-            return clip_of(state)
+        @jax_backend.jax_computation(state_t, result_type=norms_t)
+        def current_norms(state):
+            estimate = state["clip"]["estimate"] if adaptive else state["clip"]
+            return {"threshold": clip_of(state), "estimate": estimate}
 
         @jax_backend.jax_computation(state_t, value_t, np.float32, np.int32)
         def noised_mean(state, total, report_sum, n):
-            c = clip_of(state)
-            stddev = jnp.float32(z) * c
-            if tree:
-                key = tools.wrap(state["key"])
-                t = state["round"]
-                noise = jax.tree.map(
-                    lambda a, b: a - b,
-                    tree_noise(key, t + 1, total, stddev),
-                    tree_noise(key, t, total, stddev),
-                )
-                next_key = state["key"]
-            else:
-                next_key, round_key = tools.split(state["key"])
-                noise = tools.gaussian_like(tools.wrap(round_key), total, stddev)
+            stddev = jnp.float32(z) * clip_of(state)
+            noise, next_key = noise_fn(state["key"], state["round"], total, stddev)
             mean = jax.tree.map(lambda s, e: (s + e) / jnp.float32(n_expected).astype(s.dtype),
                                 total, noise)
             new_clip = clip.update(state["clip"], report_sum, n) if adaptive else state["clip"]
@@ -261,24 +339,35 @@ class DifferentiallyPrivateFactory(factory.UnweightedAggregationFactory):
 
         @tracing.federated_computation()
         def initialize():
-            return operators.federated_value(initial, types.SERVER)
+            return operators.federated_zip({
+                **{k: operators.federated_value(v, types.SERVER) for k, v in initial.items()},
+                "record_aggregation": inner.initialize(),
+            })
 
-        @tracing.federated_computation(types.type_at_server(state_t), types.type_at_clients(value_t))
+        @tracing.federated_computation(initialize.type_signature.result,
+                                       types.type_at_clients(value_t))
         def next_fn(state, value):
-            c = operators.federated_map(current_clip, state)
-            limited = operators.federated_map(limit, (value, operators.federated_broadcast(c)))
-            total = operators.federated_sum(limited.value)
+            dp_state = operators.federated_zip({k: getattr(state, k) for k in initial})
+            norms = operators.federated_map(current_norms, dp_state)
+            limited = operators.federated_map(limit, (value, operators.federated_broadcast(norms)))
+            agg = inner.next(state.record_aggregation, limited.value)
             report_sum = operators.federated_sum(limited.report)
             n = tools.count_clients(value)
-            out = operators.federated_map(noised_mean, (state, total, report_sum, n))
+            out = operators.federated_map(noised_mean, (dp_state, agg.result, report_sum, n))
             measurements = {
-                "dp_clip": c,
+                "dp_clip": norms.threshold,
                 "noise_stddev": out.stddev,
                 "clipped_count": operators.federated_sum(limited.hit),
                 "num_clients": n,
             }
-            return templates.MeasuredProcessOutput(
-                out.state, out.mean, operators.federated_zip(measurements)
+            if len(agg.measurements.type_signature.member):
+                measurements["record_aggregation"] = agg.measurements
+            new_state = operators.federated_zip({
+                **{k: getattr(out.state, k) for k in initial},
+                "record_aggregation": agg.state,
+            })
+            return processes.MeasuredProcessOutput(
+                new_state, out.mean, operators.federated_zip(measurements)
             )
 
-        return templates.AggregationProcess(initialize, next_fn)
+        return processes.AggregationProcess(initialize, next_fn)

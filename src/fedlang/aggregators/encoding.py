@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlang.aggregators import factory, hadamard, tools
-from fedlang.core import jax_computation as jax_backend
-from fedlang.core import operators, templates, tracing, types
+from fedlang.backends.jax import computation as jax_backend
+from fedlang.core import operators, processes, tracing, types
 
 KINDS = ("identity", "quantize", "top_k")
 
@@ -230,7 +230,7 @@ class EncodedSumFactory(factory.UnweightedAggregationFactory):
         """The uncompressed sum, reporting the bits it sends (the baseline)."""
         return cls(Encoder.identity(), 0)
 
-    def create(self, value_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any) -> processes.AggregationProcess:
         """Returns the encoded sum process for `value_type` (tensors of known shape)."""
         value_t = factory.check_value_type(value_type)
         if not all(
@@ -244,7 +244,6 @@ class EncodedSumFactory(factory.UnweightedAggregationFactory):
         raw = float(Encoder.identity().bits_per_value(value_t))
         state_t = types.to_type({"key": tools.KEY_TYPE})
         initial = {"key": tools.seed_key(self.seed)}
-        leaf_types = types.tensor_leaves(value_t)
 
         @jax_backend.jax_computation(state_t, result_type={"state": state_t, "round": tools.KEY_TYPE})
         def prepare(state):
@@ -257,7 +256,7 @@ class EncodedSumFactory(factory.UnweightedAggregationFactory):
 
         @jax_backend.jax_computation(result_type=value_t)
         def zeros():
-            return unflatten(value_t, [jnp.zeros(lt.shape, lt.dtype) for lt in leaf_types])
+            return tools.zeros(value_t)
 
         @jax_backend.jax_computation(value_t, msg_t, result_type=value_t)
         def accumulate(total, message):
@@ -288,6 +287,6 @@ class EncodedSumFactory(factory.UnweightedAggregationFactory):
             messages = operators.federated_map(encode, (value, key))
             total = operators.federated_aggregate(messages, zeros(), accumulate, merge, report)
             measurements = operators.federated_map(count_bits, tools.count_clients(value))
-            return templates.MeasuredProcessOutput(prepared.state, total, measurements)
+            return processes.MeasuredProcessOutput(prepared.state, total, measurements)
 
-        return templates.AggregationProcess(initialize, next_fn)
+        return processes.AggregationProcess(initialize, next_fn)

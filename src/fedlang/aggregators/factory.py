@@ -11,14 +11,14 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from fedlang.core import templates, types
+from fedlang.core import processes, types
 
 
 class UnweightedAggregationFactory(abc.ABC):
     """Builds an `AggregationProcess` whose `next(state, client_values)` takes no weights."""
 
     @abc.abstractmethod
-    def create(self, value_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any) -> processes.AggregationProcess:
         """Returns a process aggregating `{value_type}@CLIENTS` into `value_type@SERVER`.
 
         Args:
@@ -33,7 +33,7 @@ class WeightedAggregationFactory(abc.ABC):
     """Builds an `AggregationProcess` whose `next(state, client_values, client_weights)`."""
 
     @abc.abstractmethod
-    def create(self, value_type: Any, weight_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any, weight_type: Any) -> processes.AggregationProcess:
         """Returns a process aggregating weighted `{value_type}@CLIENTS` at the server.
 
         Args:

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from fedlang.aggregators import factory
 from fedlang.aggregators import sum as sum_lib
-from fedlang.core import jax_computation as jax_backend
-from fedlang.core import operators, templates, tracing, types
+from fedlang.backends.jax import computation as jax_backend
+from fedlang.core import operators, processes, tracing, types
 
 
 def _inner(f: Any, name: str) -> factory.UnweightedAggregationFactory:
@@ -71,7 +71,7 @@ class MeanFactory(factory.WeightedAggregationFactory):
         self._weight_sum = _inner(weight_sum_factory, "weight_sum_factory")
         self._no_nan = bool(no_nan_division)
 
-    def create(self, value_type: Any, weight_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any, weight_type: Any) -> processes.AggregationProcess:
         """Returns the weighted mean process for floating `value_type` and scalar `weight_type`."""
         value_t = factory.check_value_type(value_type, "f")
         weight_t = factory.check_weight_type(weight_type)
@@ -112,9 +112,9 @@ class MeanFactory(factory.WeightedAggregationFactory):
             measurements = operators.federated_zip(
                 {"mean_value": v.measurements, "mean_weight": w.measurements}
             )
-            return templates.MeasuredProcessOutput(new_state, mean, measurements)
+            return processes.MeasuredProcessOutput(new_state, mean, measurements)
 
-        return templates.AggregationProcess(initialize, next_fn)
+        return processes.AggregationProcess(initialize, next_fn)
 
 
 class UnweightedMeanFactory(factory.UnweightedAggregationFactory):
@@ -143,7 +143,7 @@ class UnweightedMeanFactory(factory.UnweightedAggregationFactory):
         self._count_sum = _inner(count_sum_factory, "count_sum_factory")
         self._no_nan = bool(no_nan_division)
 
-    def create(self, value_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any) -> processes.AggregationProcess:
         """Returns the unweighted mean process for floating `value_type`."""
         value_t = factory.check_value_type(value_type, "f")
         count_t = types.TensorType("int32")
@@ -182,6 +182,6 @@ class UnweightedMeanFactory(factory.UnweightedAggregationFactory):
             measurements = operators.federated_zip(
                 {"mean_value": v.measurements, "mean_count": c.measurements}
             )
-            return templates.MeasuredProcessOutput(new_state, mean, measurements)
+            return processes.MeasuredProcessOutput(new_state, mean, measurements)
 
-        return templates.AggregationProcess(initialize, next_fn)
+        return processes.AggregationProcess(initialize, next_fn)

@@ -7,7 +7,9 @@ differential privacy), forms the fraction `b` of clients at or below `C`, and up
 
     C <- C * exp(-learning_rate * (b - target_quantile)).
 
-So `C` grows while fewer than `target_quantile` of the clients are below it, and
+The value used as a norm or bound is `multiplier * C + increment` (TFF's
+`PrivateQuantileEstimationProcess`: e.g. zeroing at twice the 98th percentile plus one),
+while clients report against `C` itself. So `C` grows while fewer than `target_quantile` of the clients are below it, and
 shrinks otherwise. Clients report `below - 0.5` (sensitivity 0.5), as in TF Privacy's
 `QuantileEstimatorQuery`, so `noise_stddev` is in units of clients.
 
@@ -43,6 +45,8 @@ class QuantileEstimator:
       expected_clients: the denominator of the fraction; None uses the actual number of
         clients (DP uses the expected cohort size so the count is not revealed).
       seed: the seed of the noise (None: random).
+      multiplier: the threshold used is `multiplier * estimate + increment` (> 0).
+      increment: see `multiplier` (>= 0).
 
     Raises:
       ValueError: when a parameter is out of range.
@@ -60,6 +64,8 @@ class QuantileEstimator:
     noise_stddev: float = 0.0
     expected_clients: float | None = None
     seed: int | None = None
+    multiplier: float = 1.0
+    increment: float = 0.0
 
     def __post_init__(self) -> None:
         tools.check_number("initial_estimate", self.initial_estimate, 0.0, strict=True)
@@ -68,12 +74,21 @@ class QuantileEstimator:
             raise ValueError(f"Expected target_quantile in [0, 1], found {q}.")
         tools.check_number("learning_rate", self.learning_rate)
         tools.check_number("noise_stddev", self.noise_stddev)
+        tools.check_number("multiplier", self.multiplier, 0.0, strict=True)
+        tools.check_number("increment", self.increment)
         if self.expected_clients is not None:
             tools.check_number("expected_clients", self.expected_clients, 0.0, strict=True)
 
     def initial_state(self) -> dict[str, Any]:
         """The estimator's state `<estimate=float32,key=uint32[2]>` before the first round."""
         return {"estimate": np.float32(self.initial_estimate), "key": tools.seed_key(self.seed)}
+
+    def threshold(self, state: Any) -> Any:
+        """JAX: the norm or bound to use this round, `multiplier * estimate + increment`."""
+        if self.multiplier == 1.0 and self.increment == 0.0:
+            return state["estimate"]
+        return (state["estimate"] * jnp.float32(self.multiplier)
+                + jnp.float32(self.increment)).astype(jnp.float32)
 
     @staticmethod
     def report(value: Any, estimate: Any) -> Any:

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlang.aggregators import factory, tools
-from fedlang.core import jax_computation as jax_backend
-from fedlang.core import operators, templates, tracing, types
+from fedlang.backends.jax import computation as jax_backend
+from fedlang.core import operators, processes, tracing, types
 
 
 def _buffer_type(value_t: types.Type) -> types.Type:
@@ -44,7 +44,7 @@ def _buffer_type(value_t: types.Type) -> types.Type:
 
 
 def _collect_process(value_t: types.Type, statistic: Callable[[list[Any]], tuple[list[Any], Any]],
-                     extra_t: Any) -> templates.AggregationProcess:
+                     extra_t: Any) -> processes.AggregationProcess:
     """A process collecting client values and reporting `statistic(stacked leaves)`."""
     buffer_t = _buffer_type(value_t)
     leaf_types = types.tensor_leaves(value_t)
@@ -73,8 +73,7 @@ def _collect_process(value_t: types.Type, statistic: Callable[[list[Any]], tuple
         if not isinstance(n, int):  # typing with a symbolic cohort size: shapes only
             out, extra = [jnp.mean(x, axis=0) for x in leaves], _zeros_extra(extra_t)
         elif n == 0:
-            zeros = [jnp.zeros(lt.shape, lt.dtype) for lt in leaf_types]
-            out, extra = zeros, _zeros_extra(extra_t)
+            out, extra = tools.leaves_of(tools.zeros(value_t), value_t), _zeros_extra(extra_t)
         else:
             out, extra = statistic([x.astype(jnp.float32) for x in leaves])
         out = [x.astype(lt.dtype) for x, lt in zip(out, leaf_types)]
@@ -89,10 +88,10 @@ def _collect_process(value_t: types.Type, statistic: Callable[[list[Any]], tuple
         out = operators.federated_aggregate(value, empty(), accumulate, merge, report)
         measurements = {"num_clients": tools.count_clients(value), **{
             k: out.extra[k] for k in types.to_type(extra_t).names}}
-        return templates.MeasuredProcessOutput(state, out.value, operators.federated_zip(
+        return processes.MeasuredProcessOutput(state, out.value, operators.federated_zip(
             measurements))
 
-    return templates.AggregationProcess(initialize, next_fn)
+    return processes.AggregationProcess(initialize, next_fn)
 
 
 def _zeros_extra(extra_t: Any) -> dict[str, Any]:
@@ -111,7 +110,7 @@ class MedianFactory(factory.UnweightedAggregationFactory):
       [2. 0.]
     """
 
-    def create(self, value_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any) -> processes.AggregationProcess:
         """Returns the median process for floating `value_type`."""
         value_t = factory.check_value_type(value_type, "f")
         return _collect_process(
@@ -150,7 +149,7 @@ class TrimmedMeanFactory(factory.UnweightedAggregationFactory):
             raise ValueError(f"Expected trim_fraction in [0, 0.5), found {t}.")
         self.trim_fraction = t
 
-    def create(self, value_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any) -> processes.AggregationProcess:
         """Returns the trimmed mean process for floating `value_type`."""
         value_t = factory.check_value_type(value_type, "f")
         frac = self.trim_fraction
@@ -216,7 +215,7 @@ class GeometricMedianFactory(factory.UnweightedAggregationFactory):
         self.eps = tools.check_number("eps", eps, 0.0, strict=True)
         self.tolerance = tools.check_number("tolerance", tolerance)
 
-    def create(self, value_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any) -> processes.AggregationProcess:
         """Returns the geometric median process for floating `value_type`."""
         value_t = factory.check_value_type(value_type, "f")
         args = (self.max_iterations, self.eps, self.tolerance)

@@ -12,7 +12,13 @@ quantization error and modular wrap-around included, rather than a float sum:
   whose group has `2^(bits + ceil(log2 n))` elements, stored in `uint32`: when
   `bits + ceil(log2 n) > 32` the sum wraps modulo `2^32`, as a 32-bit protocol would.
   The server dequantizes: `sum = S * (upper - lower) / (2^bits - 1) + n * lower`, with
-  `n` the number of clients (the protocol reveals it).
+  `n` the number of clients (the protocol reveals it). The measurements say how many
+  bits the cohort needs (`secure_bits_needed = bits + ceil(log2 n)`) and whether the
+  sum may have wrapped (`secure_overflow_risk`: 1 when that exceeds 32; e.g. 24-bit
+  codes from 300 clients need 33 bits). Lower `bits` or the cohort size when it is 1.
+* A client whose float value has a NaN or an infinity is left out: it sends zero codes
+  and is not counted in `n`, so it adds exactly nothing (rather than a bound), and it is
+  counted in `secure_nonfinite_count`.
 * Adaptive bounds: pass a `QuantileEstimator` as `upper_bound`; it estimates a quantile
   of the clients' `max |x|` and `lower = -upper` (clients report, through a 1-bit
   secure sum, whether their value fits).
@@ -24,7 +30,8 @@ Type signatures (unweighted):
       initialize: ( -> <bound=...,key=uint32[2]>@SERVER)
       next: (<state, {V}@CLIENTS> -> <state, V@SERVER, <secure_upper_clipped_count=int32,
              secure_lower_clipped_count=int32,secure_upper_threshold=float32,
-             secure_lower_threshold=float32>@SERVER>)
+             secure_lower_threshold=float32,secure_nonfinite_count=int32,
+             secure_bits_needed=int32,secure_overflow_risk=int32>@SERVER>)
     SecureModularSumFactory.create(V) -> (<<>@SERVER, {V}@CLIENTS> -> <<>, V@SERVER, <>@SERVER>)
 """
 
@@ -38,11 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlang.aggregators import factory, quantile, tools
-from fedlang.core import jax_computation as jax_backend
-from fedlang.core import operators, templates, tracing, types
+from fedlang.backends.jax import computation as jax_backend
+from fedlang.core import operators, processes, tracing, types
 
 MEASUREMENTS = ("secure_upper_clipped_count", "secure_lower_clipped_count",
-                "secure_upper_threshold", "secure_lower_threshold")
+                "secure_upper_threshold", "secure_lower_threshold", "secure_nonfinite_count",
+                "secure_bits_needed", "secure_overflow_risk")
+GROUP_BITS = 32  # the sums are held in uint32, as a 32-bit protocol holds them
 
 
 def _code_type(value_t: types.Type) -> types.Type:
@@ -94,7 +103,7 @@ class SecureSumFactory(factory.UnweightedAggregationFactory):
             )
         self.bits, self.rounding, self.seed = bits, rounding, seed
 
-    def create(self, value_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any) -> processes.AggregationProcess:
         """Returns the secure sum process for `value_type` (all-float or all-integer)."""
         value_t = factory.check_value_type(value_type, "iuf")
         kinds = {
@@ -120,20 +129,25 @@ class SecureSumFactory(factory.UnweightedAggregationFactory):
                    else tuple(np.float32(b) for b in self.bounds),
                    "key": tools.seed_key(self.seed)}
         encoded_t = types.to_type({"codes": code_t, "upper": np.int32, "lower": np.int32,
-                                   "fits": np.uint32})
-        round_t = types.to_type({"lower": np.float32, "upper": np.float32, "key": tools.KEY_TYPE})
+                                   "fits": np.uint32, "included": np.int32,
+                                   "nonfinite": np.int32})
+        round_t = types.to_type({"lower": np.float32, "upper": np.float32,
+                                 "estimate": np.float32, "key": tools.KEY_TYPE})
         int_bounds = None if is_float else tuple(int(b) for b in self.bounds)
+        estimator = self.upper_bound if adaptive else None
 
         @jax_backend.jax_computation(state_t, result_type={"round": round_t, "state": state_t})
         def prepare(state):
             next_key, round_key = tools.split(state["key"])
             if adaptive:
-                u = state["bound"]["estimate"]
-                lo, hi = -u, u
+                u = estimator.threshold(state["bound"])
+                lo, hi, estimate = -u, u, state["bound"]["estimate"]
             else:
                 lo, hi = state["bound"]
+                estimate = hi
             new_state = {"bound": state["bound"], "key": next_key}
-            return {"round": {"lower": lo, "upper": hi, "key": round_key}, "state": new_state}
+            return {"round": {"lower": lo, "upper": hi, "estimate": estimate, "key": round_key},
+                    "state": new_state}
 
         @jax_backend.jax_computation(value_t, round_t, result_type=encoded_t)
         def encode(value, r):
@@ -142,6 +156,11 @@ class SecureSumFactory(factory.UnweightedAggregationFactory):
             leaves = tools.leaves_of(value, value_t)
             codes, above, below = [], jnp.int32(0), jnp.int32(0)
             biggest = jnp.float32(0)
+            finite = jnp.bool_(True)
+            for x in leaves if is_float else ():
+                finite = finite & jnp.all(jnp.isfinite(x))
+            # A non-finite client sends zeros: NaN would otherwise quantize to a bound.
+            leaves = [jnp.where(finite, x, jnp.zeros_like(x)) for x in leaves]
             for i, x in enumerate(leaves):
                 if is_float:
                     above += jnp.sum(x > hi).astype(jnp.int32)
@@ -156,9 +175,12 @@ class SecureSumFactory(factory.UnweightedAggregationFactory):
                     above += jnp.sum(x > ihi).astype(jnp.int32)
                     below += jnp.sum(x < ilo).astype(jnp.int32)
                     codes.append((jnp.clip(x, ilo, ihi) - ilo).astype(jnp.uint32))
-            fits = (biggest <= hi).astype(jnp.uint32)
-            return {"codes": tools.from_leaves(code_t, codes), "upper": above, "lower": below,
-                    "fits": fits}
+            fits = (biggest <= r["estimate"]) & finite
+            codes = [jnp.where(finite, c, jnp.zeros_like(c)) for c in codes]
+            return {"codes": tools.from_leaves(code_t, codes),
+                    "upper": jnp.where(finite, above, 0), "lower": jnp.where(finite, below, 0),
+                    "fits": fits.astype(jnp.uint32), "included": finite.astype(jnp.int32),
+                    "nonfinite": (~finite).astype(jnp.int32)}
 
         @jax_backend.jax_computation(code_t, round_t, np.int32, result_type=value_t)
         def decode(total, r, n):
@@ -173,8 +195,14 @@ class SecureSumFactory(factory.UnweightedAggregationFactory):
                 out.append(x.astype(lt.dtype))
             return tools.from_leaves(value_t, out)
 
+        @jax_backend.jax_computation(np.int32, np.int32)
+        def risk(n, nonfinite):
+            senders = jnp.maximum(n + nonfinite, 1)  # every client sends codes
+            log2_n = jnp.int32(32) - jax.lax.clz((senders - 1).astype(jnp.uint32)).astype(jnp.int32)
+            needed = jnp.int32(bits) + log2_n
+            return {"bits_needed": needed, "overflow_risk": (needed > GROUP_BITS).astype(jnp.int32)}
+
         if adaptive:
-            estimator = self.upper_bound
 
             @jax_backend.jax_computation(state_t, np.uint32, np.int32, result_type=state_t)
             def update(state, fits_sum, n):
@@ -192,19 +220,21 @@ class SecureSumFactory(factory.UnweightedAggregationFactory):
             r = prepared.round
             encoded = operators.federated_map(encode, (value, operators.federated_broadcast(r)))
             total = operators.federated_secure_sum_bitwidth(encoded.codes, bits)
-            n = tools.count_clients(value)
+            n = operators.federated_sum(encoded.included)
+            nonfinite = operators.federated_sum(encoded.nonfinite)
             result = operators.federated_map(decode, (total, r, n))
+            overflow = operators.federated_map(risk, (n, nonfinite))
             new_state = prepared.state
             if adaptive:
                 fits = operators.federated_secure_sum_bitwidth(encoded.fits, 1)
                 new_state = operators.federated_map(update, (new_state, fits, n))
             measurements = dict(zip(MEASUREMENTS, (
                 operators.federated_sum(encoded.upper), operators.federated_sum(encoded.lower),
-                r.upper, r.lower)))
-            return templates.MeasuredProcessOutput(
+                r.upper, r.lower, nonfinite, overflow.bits_needed, overflow.overflow_risk)))
+            return processes.MeasuredProcessOutput(
                 new_state, result, operators.federated_zip(measurements))
 
-        return templates.AggregationProcess(initialize, next_fn)
+        return processes.AggregationProcess(initialize, next_fn)
 
 
 def _number(name: str, x: Any) -> float:
@@ -238,7 +268,7 @@ class SecureModularSumFactory(factory.UnweightedAggregationFactory):
             raise ValueError(f"Expected an integer modulus in [2, 2^31 - 1], found {modulus!r}.")
         self.modulus, self.symmetric_range = int(modulus), bool(symmetric_range)
 
-    def create(self, value_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any) -> processes.AggregationProcess:
         """Returns the modular sum process for integer `value_type`."""
         value_t = factory.check_value_type(value_type, "iu")
         m, symmetric = self.modulus, self.symmetric_range
@@ -257,7 +287,7 @@ class SecureModularSumFactory(factory.UnweightedAggregationFactory):
             total = operators.federated_secure_modular_sum(value, m)
             if symmetric:
                 total = operators.federated_map(shift, total)
-            return templates.MeasuredProcessOutput(
+            return processes.MeasuredProcessOutput(
                 state, total, operators.federated_value((), types.SERVER))
 
-        return templates.AggregationProcess(initialize, next_fn)
+        return processes.AggregationProcess(initialize, next_fn)

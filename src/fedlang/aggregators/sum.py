@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedlang.aggregators import factory
-from fedlang.core import operators, templates, tracing, types
+from fedlang.core import operators, processes, tracing, types
 
 
 class SumFactory(factory.UnweightedAggregationFactory):
@@ -19,7 +19,7 @@ class SumFactory(factory.UnweightedAggregationFactory):
       6.0
     """
 
-    def create(self, value_type: Any) -> templates.AggregationProcess:
+    def create(self, value_type: Any) -> processes.AggregationProcess:
         """Returns the sum process for `value_type` (numeric tensors).
 
         Raises:
@@ -35,8 +35,8 @@ class SumFactory(factory.UnweightedAggregationFactory):
             initialize.type_signature.result, types.type_at_clients(value_t)
         )
         def next_fn(state, value):
-            return templates.MeasuredProcessOutput(
+            return processes.MeasuredProcessOutput(
                 state, operators.federated_sum(value), operators.federated_value((), types.SERVER)
             )
 
-        return templates.AggregationProcess(initialize, next_fn)
+        return processes.AggregationProcess(initialize, next_fn)

@@ -16,8 +16,9 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from fedlang.core import jax_computation as jax_backend
+from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import operators, types
 
 KEY_TYPE = types.TensorType(np.uint32, [2])
@@ -66,12 +67,15 @@ def client_key(round_key: Any, value: Any) -> Any:
     return jax.random.fold_in(wrap(round_key), value_hash(value))
 
 
-def tree_norm(tree: Any) -> Any:
-    """The global L2 norm of a pytree (float32; 0 for an empty tree)."""
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.float32(0)
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+def global_norm(tree: Any) -> Any:
+    """The global L2 norm of a pytree, in float32 (0 for an empty tree).
+
+    Optax's `optax.tree.norm` (which `optax.global_norm` now forwards to, with a
+    deprecation warning) on the leaves cast to float32, so trees mixing dtypes (e.g.
+    bfloat16 and float32 weights) have a norm under strict dtype promotion.
+    """
+    return jnp.asarray(optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree)),
+                       jnp.float32)
 
 
 def tree_scale(tree: Any, factor: Any) -> Any:
@@ -116,6 +120,29 @@ def from_leaves(t: types.Type, leaves: list[Any]) -> Any:
     from fedlang.core import structure
 
     return structure.to_container(structure.unflatten(list(leaves), t), t)
+
+
+def zeros(t: types.Type, unknown_dim: int | None = None) -> Any:
+    """Zeros of a local type as NumPy arrays, in the type's containers.
+
+    Args:
+      t: a struct of tensor types.
+      unknown_dim: the size given to unknown (`?`) dimensions; None refuses them.
+
+    Raises:
+      TypeError: when a dimension is unknown and `unknown_dim` is None.
+    """
+    from fedlang.core import structure
+
+    fill = 0 if unknown_dim is None else unknown_dim
+
+    def shape(lt: types.TensorType) -> tuple[int, ...]:
+        if None in lt.shape and unknown_dim is None:
+            raise TypeError(f"Expected a type of fully known shape, found {lt} in {t}.")
+        return tuple(fill if d is None else d for d in lt.shape)
+
+    leaves = [np.zeros(shape(lt), lt.dtype) for lt in structure.leaf_types(t)]
+    return structure.to_container(structure.unflatten(leaves, t), t)
 
 
 def map_type(fn: Any, t: types.Type) -> types.Type:

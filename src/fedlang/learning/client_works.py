@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlang.core import jax_computation as jax_backend
-from fedlang.core import operators, templates, types
+from fedlang.aggregators import tools
+from fedlang.backends.jax import computation as jax_backend
+from fedlang.core import operators, processes, types
 from fedlang.learning import metrics as metrics_lib
 from fedlang.learning import optimizers
 from fedlang.learning import templates as learning_templates
@@ -39,14 +40,6 @@ def check_client_weighting(client_weighting: str) -> str:
             f"Expected client_weighting in {CLIENT_WEIGHTINGS}, found {client_weighting!r}."
         )
     return client_weighting
-
-
-def tree_norm(tree: Any) -> Any:
-    """The global L2 norm of a pytree (0 for an empty one)."""
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.float32(0)
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
 
 
 def tree_is_finite(tree: Any) -> Any:
@@ -77,9 +70,9 @@ def client_output(
         "diagnostics": {
             "num_clients": jnp.int32(1),
             "num_nonfinite": jnp.where(finite, 0, 1).astype(jnp.int32),
-            "update_norm_sum": jnp.where(finite, tree_norm(update), jnp.float32(0)),
+            "update_norm_sum": jnp.where(finite, tools.global_norm(update), jnp.float32(0)),
         },
-        "update_norm": jnp.where(finite, tree_norm(update), jnp.float32(0)),
+        "update_norm": jnp.where(finite, tools.global_norm(update), jnp.float32(0)),
     }
 
 
@@ -104,7 +97,8 @@ def measurements(model: model_lib.Model, outputs: Any, name: str = "train") -> A
             "num_clients": diag["num_clients"],
             "num_nonfinite": diag["num_nonfinite"],
             "update_norm_mean": diag["update_norm_sum"] / jnp.maximum(ok, 1).astype(jnp.float32),
-            "update_norm_max": max_norm,
+            # federated_max of no clients is the dtype's lowest value: say 0 instead
+            "update_norm_max": jnp.where(diag["num_clients"] > 0, max_norm, jnp.float32(0)),
         }
 
     train = operators.federated_map(finalize, operators.federated_sum(outputs.stats))
@@ -116,18 +110,9 @@ def measurements(model: model_lib.Model, outputs: Any, name: str = "train") -> A
 
 
 def _client_state(optimizer_fn: optimizers.OptimizerFn, weights_t: types.Type) -> dict[str, Any]:
-    zeros = jax.tree.map(
-        lambda s: np.zeros(s.shape, s.dtype), model_lib.ModelWeights(*_shapes(weights_t))
-    )
+    zeros = model_lib.ModelWeights(*tools.zeros(weights_t))
     hp = optimizers.injected_hparams(optimizer_fn(jnp.int32(0)).init(zeros.trainable))
     return {"round_num": np.int32(0), "optimizer_hparams": {k: np.asarray(v) for k, v in hp.items()}}
-
-
-def _shapes(weights_t: types.Type) -> Any:
-    from fedlang.core import structure
-
-    leaves = [jax.ShapeDtypeStruct(lt.shape, lt.dtype) for lt in structure.leaf_types(weights_t)]
-    return structure.to_container(structure.unflatten(leaves, weights_t), weights_t)
 
 
 def build_client_work_process(
@@ -176,7 +161,7 @@ def build_client_work_process(
             client_update, (weights, operators.federated_broadcast(state), client_data)
         )
         result = operators.federated_map(to_result, outputs)
-        return templates.MeasuredProcessOutput(
+        return processes.MeasuredProcessOutput(
             operators.federated_map(next_round, state), result, measurements(model, outputs)
         )
 

@@ -1,43 +1,104 @@
-"""`compose_learning_process`: a learning process from its four parts.
+"""`compose_learning_process`: a learning process from its parts, checked against each other.
 
     weights@SERVER --distributor--> weights@CLIENTS --client work--> ClientResults
       --model aggregator--> update@SERVER --finalizer--> new weights@SERVER
+      --non-trainable update (the clients' BatchNorm statistics...)--> weights@SERVER
 
-Every part is a measured process; the composed state holds each part's state, and
-the metrics each part's measurements, under the part's name.
+Every part but the last is a measured process; the composed state holds each one's
+state, and the metrics each one's measurements, under the part's name, plus
+`metrics['traffic']`: the bits this round broadcast to and aggregated from the clients
+(`fedlang.learning.traffic`). Before anything is traced, each part's type signature is
+checked against its neighbours'; a mismatch names both parts and the differing fields.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 import numpy as np
 
-from fedlang.core import computation, operators, tracing, types
-from fedlang.core import jax_computation as jax_backend
-from fedlang.core import templates as core_templates
-from fedlang.learning import templates
+from fedlang.backends.jax import computation as jax_backend
+from fedlang.core import computation, operators, tracing, traffic, types
+from fedlang.core import processes as core_processes
+from fedlang.learning import non_trainable, templates, type_checks
 from fedlang.learning.models import model as model_lib
 
 
-def _check(part: Any, cls: type, name: str) -> None:
+def _check_kind(part: Any, cls: type, name: str) -> None:
     if not isinstance(part, cls):
         raise TypeError(f"Expected {name} to be a {cls.__name__}, found {type(part).__name__}.")
+
+
+def _param(comp: computation.Computation, i: int) -> types.Type:
+    return cast(types.StructType, comp.type_signature.parameter)[i]
+
+
+def _result(comp: computation.Computation, name: str) -> types.Type:
+    return cast(types.StructType, comp.type_signature.result)[name]
+
+
+def _member(t: types.Type) -> types.Type:
+    return t.member if isinstance(t, types.FederatedType) else t
+
+
+def check_parts(
+    weights_t: types.Type,
+    distributor: templates.DistributionProcess,
+    client_work: templates.ClientWorkProcess,
+    aggregator: core_processes.AggregationProcess,
+    finalizer: templates.FinalizerProcess,
+) -> types.StructType:
+    """Checks that each part accepts what its neighbour produces.
+
+    Args:
+      weights_t: the model weights' type (what the initial weights function returns).
+      distributor, client_work, aggregator, finalizer: the parts.
+
+    Returns:
+      The type of one client's `ClientResult`.
+
+    Raises:
+      TypeError: naming the two parts and the fields that differ.
+    """
+    fits = type_checks.check_fits
+    fits(_param(distributor.next, 1), types.type_at_server(weights_t),
+         "model_weights_distributor's weights parameter to accept the initial model weights")
+    sent = _result(distributor.next, "result")
+    fits(_param(client_work.next, 1), sent,
+         "client_work's weights parameter to accept what model_weights_distributor sends",
+         "Build both parts for the same model weights type.")
+    result_t = _member(_result(client_work.next, "result"))
+    if not (isinstance(result_t, types.StructType)
+            and {"update", "update_weight"} <= set(result_t.names)):
+        raise TypeError(
+            "Expected client_work's result to be a ClientResult(update, update_weight, "
+            f"non_trainable) at CLIENTS, found {_result(client_work.next, 'result')}."
+        )
+    fits(aggregator.value_type, result_t["update"],
+         "model_update_aggregator's value type to accept client_work's update",
+         "Create the aggregator for the update's type: factory.create(update_type[, float32]).")
+    if aggregator.is_weighted:
+        fits(cast(types.Type, aggregator.weight_type), result_t["update_weight"],
+             "model_update_aggregator's weight type to accept client_work's update_weight")
+    fits(_param(finalizer.next, 1), types.type_at_server(weights_t),
+         "model_finalizer's weights parameter to accept the model weights")
+    fits(_param(finalizer.next, 2), _result(aggregator.next, "result"),
+         "model_finalizer's update parameter to accept model_update_aggregator's result")
+    fits(types.type_at_server(weights_t), _result(finalizer.next, "result"),
+         "model_finalizer's result to be the model weights (it replaces them in the state)")
+    return result_t
 
 
 def compose_learning_process(
     initial_model_weights_fn: computation.Computation,
     model_weights_distributor: templates.DistributionProcess,
     client_work: templates.ClientWorkProcess,
-    model_update_aggregator: core_templates.AggregationProcess,
+    model_update_aggregator: core_processes.AggregationProcess,
     model_finalizer: templates.FinalizerProcess,
+    non_trainable_update: computation.Computation | None = None,
 ) -> templates.LearningProcess:
-    """Composes the four parts into a `LearningProcess`.
-
-    Floating non-trainable weights the clients report in `ClientResult.non_trainable`
-    (BatchNorm statistics) are averaged with the update weights and replace the
-    server's; other non-trainable weights keep their server values.
+    """Composes the parts into a `LearningProcess`, after checking they fit together.
 
     Args:
       initial_model_weights_fn: a computation `( -> ModelWeights)` (local).
@@ -45,41 +106,38 @@ def compose_learning_process(
       client_work: a `ClientWorkProcess`.
       model_update_aggregator: an `AggregationProcess` (weighted or not) of the updates.
       model_finalizer: a `FinalizerProcess`.
+      non_trainable_update: how the clients' `ClientResult.non_trainable` reach the
+        server's weights (`fedlang.learning.non_trainable`); default: their mean
+        weighted by the update weights (`build_weighted_mean_update`).
 
     Returns:
       A `LearningProcess` whose state is a `LearningAlgorithmState`.
 
     Raises:
-      TypeError: when a part has the wrong kind.
+      TypeError: when a part has the wrong kind, or its types do not fit its
+        neighbours' (the message names both parts and the differing fields).
     """
-    _check(model_weights_distributor, templates.DistributionProcess, "model_weights_distributor")
-    _check(client_work, templates.ClientWorkProcess, "client_work")
-    _check(model_update_aggregator, core_templates.AggregationProcess, "model_update_aggregator")
-    _check(model_finalizer, templates.FinalizerProcess, "model_finalizer")
+    _check_kind(model_weights_distributor, templates.DistributionProcess,
+                "model_weights_distributor")
+    _check_kind(client_work, templates.ClientWorkProcess, "client_work")
+    _check_kind(model_update_aggregator, core_processes.AggregationProcess,
+                "model_update_aggregator")
+    _check_kind(model_finalizer, templates.FinalizerProcess, "model_finalizer")
     weights_t = initial_model_weights_fn.type_signature.result
-    data_t = client_work.next.type_signature.parameter[2]  # type: ignore[index]
-    result_t = client_work.next.type_signature.result["result"].member  # type: ignore[index, union-attr]
-    nt_t = result_t["non_trainable"]
-    distributor, aggregator, finalizer = model_weights_distributor, model_update_aggregator, model_finalizer
-
-    @jax_backend.jax_computation(nt_t, np.float32)
-    def weigh(nt, w):
-        return [x * w.astype(x.dtype) for x in nt], w
-
-    @jax_backend.jax_computation(weights_t, (nt_t, np.float32), result_type=weights_t)
-    def set_non_trainable(weights, nt_sum):
-        import jax
-
-        total, w = nt_sum
-        leaves, treedef = jax.tree.flatten(weights.non_trainable)
-        it = iter(total)
-        new = [
-            jnp.where(w > 0, next(it) / jnp.where(w > 0, w, 1).astype(x.dtype), x)
-            if jnp.issubdtype(x.dtype, jnp.floating)
-            else x
-            for x in leaves
-        ]
-        return model_lib.ModelWeights(weights.trainable, jax.tree.unflatten(treedef, new))
+    distributor, aggregator, finalizer = (
+        model_weights_distributor, model_update_aggregator, model_finalizer)
+    result_t = check_parts(weights_t, distributor, client_work, aggregator, finalizer)
+    nt_t = result_t["non_trainable"] if "non_trainable" in result_t.names else types.StructType([])
+    nt_update = non_trainable_update or non_trainable.build_weighted_mean_update(weights_t, nt_t)
+    type_checks.check_fits(
+        types.FunctionType(
+            types.StructType([types.type_at_server(weights_t), types.type_at_clients(nt_t),
+                              types.type_at_clients(np.float32)]),
+            types.type_at_server(weights_t)),
+        nt_update.type_signature,
+        "non_trainable_update to be (<weights@SERVER,{non_trainable}@CLIENTS,"
+        "{float32}@CLIENTS> -> weights@SERVER) for client_work's non_trainable results")
+    data_t = _param(client_work.next, 2)
 
     @tracing.federated_computation()
     def initialize():
@@ -94,7 +152,7 @@ def compose_learning_process(
         )
 
     @tracing.federated_computation(initialize.type_signature.result, data_t)
-    def next_fn(state, client_data):
+    def round_fn(state, client_data):
         weights = state.global_model_weights
         sent = distributor.next(state.distributor, weights)
         work = client_work.next(state.client_work, sent.result, client_data)
@@ -104,12 +162,9 @@ def compose_learning_process(
         else:
             agg = aggregator.next(state.aggregator, results.update)
         fin = finalizer.next(state.finalizer, weights, agg.result)
-        new_weights = fin.result
-        if len(nt_t):
-            nt_sum = operators.federated_sum(
-                operators.federated_map(weigh, (results.non_trainable, results.update_weight))
-            )
-            new_weights = operators.federated_map(set_non_trainable, (new_weights, nt_sum))
+        nt = results.non_trainable if "non_trainable" in result_t.names else (
+            operators.federated_value((), types.CLIENTS))
+        new_weights = nt_update(fin.result, nt, results.update_weight)
         new_state = operators.federated_zip(
             templates.LearningAlgorithmState(new_weights, sent.state, work.state, agg.state, fin.state)
         )
@@ -119,7 +174,9 @@ def compose_learning_process(
             "aggregator": agg.measurements,
             "finalizer": fin.measurements,
         }
-        return templates.LearningProcessOutput(new_state, metrics)
+        return templates.LearningProcessOutput(new_state, metrics), results.update_weight
+
+    next_fn = traffic_measured(round_fn)
 
     def get_model_weights(state: Any) -> model_lib.ModelWeights:
         return model_lib.ModelWeights(*state.global_model_weights)
@@ -150,6 +207,47 @@ def compose_learning_process(
             )
         return state
 
-    return templates.LearningProcess(
+    process = templates.LearningProcess(
         initialize, next_fn, get_model_weights, set_model_weights, get_hparams, set_hparams
     )
+    return process
+
+
+def traffic_measured(round_fn: computation.Computation) -> computation.Computation:
+    """`next(state, data) -> LearningProcessOutput` adding `metrics['traffic']` to a round.
+
+    Args:
+      round_fn: `(state, client_data) -> <LearningProcessOutput(state, metrics),
+        {x}@CLIENTS>`, where the second result holds one value per client (to count
+        them). Its metrics must be a struct of server values.
+
+    Returns:
+      The round with `traffic = {'num_clients', 'broadcast_bits', 'aggregated_bits'}`
+      (int32, int32, float32) in its metrics: the per-client bits of the round
+      (`traffic.per_client_bits`, the count's own int32 included) times the clients.
+    """
+    sizes = traffic.per_client_bits(round_fn)
+    count_t = cast(types.StructType, round_fn.type_signature.result)[1]
+    down, up = float(sizes.broadcast_bits), float(sizes.aggregated_bits + 32)
+
+    @jax_backend.jax_computation(_member(count_t))
+    def one(value):
+        del value
+        return jnp.int32(1)
+
+    @jax_backend.jax_computation(np.int32)
+    def bits(n):
+        f = n.astype(jnp.float32)
+        return {"num_clients": n, "broadcast_bits": f * down, "aggregated_bits": f * up}
+
+    state_t, data_t = cast(types.StructType, round_fn.type_signature.parameter).types
+
+    @tracing.federated_computation(state_t, data_t)
+    def next_fn(state, client_data):
+        out, per_client = round_fn(state, client_data)
+        n = operators.federated_sum(operators.federated_map(one, per_client))
+        metrics = {name: out.metrics[name] for name in out.metrics.type_signature.names}
+        metrics["traffic"] = operators.federated_map(bits, n)
+        return templates.LearningProcessOutput(out.state, metrics)
+
+    return next_fn

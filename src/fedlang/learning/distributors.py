@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedlang.core import operators, tracing, types
-from fedlang.core import templates as core_templates
+from fedlang.core import processes as core_processes
 from fedlang.learning import templates
 
 
@@ -26,7 +26,7 @@ def build_broadcast_process(weights_type: Any) -> templates.DistributionProcess:
 
     @tracing.federated_computation(initialize.type_signature.result, types.type_at_server(weights_t))
     def next_fn(state, weights):
-        return core_templates.MeasuredProcessOutput(
+        return core_processes.MeasuredProcessOutput(
             state, operators.federated_broadcast(weights), operators.federated_value({}, types.SERVER)
         )
 

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlang.aggregators import encoding, tools
-from fedlang.core import jax_computation as jax_backend
+from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import operators, tracing, types
-from fedlang.core import templates as core_templates
+from fedlang.core import processes as core_processes
 from fedlang.learning import templates
 
 
@@ -74,6 +74,6 @@ def build_encoded_broadcast_process(
         received = operators.federated_broadcast(encoded.message)
         decoded = operators.federated_map(decode, received)
         measurements = operators.federated_map(count_bits, tools.count_clients(received))
-        return core_templates.MeasuredProcessOutput(encoded.state, decoded, measurements)
+        return core_processes.MeasuredProcessOutput(encoded.state, decoded, measurements)
 
     return templates.DistributionProcess(initialize, next_fn)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import computation, types
-from fedlang.core import jax_computation as jax_backend
 from fedlang.learning import metrics as metrics_lib
 from fedlang.learning.models import model as model_lib
 

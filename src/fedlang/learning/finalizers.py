@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedlang.core import jax_computation as jax_backend
-from fedlang.core import operators, structure, tracing, types
-from fedlang.core import templates as core_templates
-from fedlang.learning import optimizers, templates
-from fedlang.learning.client_works import tree_is_finite
+from fedlang.aggregators import tools
+from fedlang.backends.jax import computation as jax_backend
+from fedlang.core import operators, tracing, types
+from fedlang.core import processes as core_processes
+from fedlang.learning import client_works, optimizers, templates
 from fedlang.learning.models import model as model_lib
 
 
@@ -38,12 +38,7 @@ def build_apply_optimizer_finalizer(
     optimizer_fn = optimizers.as_optimizer_fn(server_optimizer, "server_optimizer")
     weights_t = types.to_type(weights_type)
     trainable_t = cast(types.StructType, weights_t)["trainable"]  # ModelWeights: a struct
-    zeros = structure.to_container(
-        structure.unflatten(
-            [np.zeros(lt.shape, lt.dtype) for lt in structure.leaf_types(trainable_t)], trainable_t
-        ),
-        trainable_t,
-    )
+    zeros = tools.zeros(trainable_t)
     initial_state = {
         "round_num": np.int32(0),
         "optimizer_state": jax.tree.map(np.asarray, optimizer_fn(jnp.int32(0)).init(zeros)),
@@ -59,7 +54,7 @@ def build_apply_optimizer_finalizer(
         opt = optimizer_fn(state["round_num"])
         updates, opt_state = opt.update(update, state["optimizer_state"], weights.trainable)
         trainable = optax.apply_updates(weights.trainable, updates)
-        ok = tree_is_finite(update)
+        ok = client_works.tree_is_finite(update)
         trainable, opt_state = jax.tree.map(
             lambda new, old: jnp.where(ok, new, old),
             (trainable, opt_state),
@@ -77,7 +72,7 @@ def build_apply_optimizer_finalizer(
     )
     def next_fn(state, weights, update):
         out = operators.federated_map(apply_update, (state, weights, update))
-        return core_templates.MeasuredProcessOutput(
+        return core_processes.MeasuredProcessOutput(
             out[0], out[1], operators.federated_value({}, types.SERVER)
         )
 

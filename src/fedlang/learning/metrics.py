@@ -10,6 +10,7 @@ server, is the metric over the union of the clients' examples, weighted by examp
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -55,7 +56,7 @@ class Accuracy(Metric):
     def accumulate(self, stats: Any, predictions: Any, y: Any, mask: Any) -> Any:
         labels = jnp.reshape(y, (y.shape[0], *predictions.shape[1:-1]))
         hit = (jnp.argmax(predictions, axis=-1) == labels.astype(jnp.int32)).astype(jnp.float32)
-        hit = jnp.reshape(hit, (hit.shape[0], -1)).mean(axis=1)
+        hit = per_example_mean(hit)
         return {
             "correct": stats["correct"] + jnp.sum(hit * mask),
             "count": stats["count"] + jnp.sum(mask),
@@ -82,7 +83,7 @@ class MeanMetric(Metric):
 
     def accumulate(self, stats: Any, predictions: Any, y: Any, mask: Any) -> Any:
         values = jnp.asarray(self.fn(predictions, y), jnp.float32)
-        values = jnp.reshape(values, (values.shape[0], -1)).mean(axis=1)
+        values = per_example_mean(values)
         return {
             "total": stats["total"] + jnp.sum(values * mask),
             "count": stats["count"] + jnp.sum(mask),
@@ -90,6 +91,14 @@ class MeanMetric(Metric):
 
     def finalize(self, stats: Any) -> Any:
         return stats["total"] / jnp.maximum(stats["count"], 1.0)
+
+
+def per_example_mean(values: Any) -> Any:
+    """`values[batch, ...] -> float[batch]`: the mean over each example's entries (e.g.
+    tokens). Written without a `-1` dimension, so a batch of 0 examples gives `[]`."""
+    size = math.prod(values.shape[1:])
+    return jnp.reshape(values, (values.shape[0], size)).mean(axis=1) if size else jnp.zeros(
+        values.shape[:1], values.dtype)
 
 
 def as_metrics(metrics: Any) -> tuple[Metric, ...]:

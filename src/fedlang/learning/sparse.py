@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlang.core import jax_computation as jc
+from fedlang.backends.jax import computation as jc
 from fedlang.core import operators as ops
-from fedlang.core import sparse, templates, tracing, types
+from fedlang.core import processes, sparse, tracing, types
 
 _ROW_MEANS = ("touched", "all")
 
@@ -174,7 +174,7 @@ def build_sparse_fed_avg(
     client_lr: float = 0.1,
     server_lr: float = 1.0,
     row_mean: str = "touched",
-) -> templates.IterativeProcess:
+) -> processes.IterativeProcess:
     """FedAvg of a `[num_rows, row_dim]` table where clients move only their rows.
 
     Args:
@@ -267,7 +267,7 @@ def build_sparse_fed_avg(
         )
         return new_state, metrics
 
-    return templates.IterativeProcess(initialize, next_fn)
+    return processes.IterativeProcess(initialize, next_fn)
 
 
 @jc.jax_computation(np.float32)

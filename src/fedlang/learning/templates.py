@@ -3,13 +3,15 @@
 A learning algorithm is `LearningProcess`: `initialize() -> state` and
 `next(state, client_data) -> LearningProcessOutput(state, metrics)`, plus Python
 helpers to read and write the model weights and hyperparameters in a state. It is
-composed (see `composers.compose_learning_process`) of four `MeasuredProcess`es, each
-replaceable:
+composed (see `composers.compose_learning_process`) of four `MeasuredProcess`es and
+one federated computation, each replaceable:
 
 * a distributor (`DistributionProcess`): server weights -> weights at the clients;
 * client work (`ClientWorkProcess`): weights and client data -> `ClientResult`s;
 * a model aggregator (`fedlang.aggregators`): client updates -> one server update;
-* a finalizer (`FinalizerProcess`): server weights and the update -> new weights.
+* a finalizer (`FinalizerProcess`): server weights and the update -> new weights;
+* a non-trainable update (`fedlang.learning.non_trainable`): the clients' reported
+  non-trainable weights (BatchNorm statistics) -> the server's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from fedlang.core import computation, templates
+from fedlang.core import computation, processes
 from fedlang.learning.models import model as model_lib
 
 
@@ -65,7 +67,7 @@ def _set_no_hparams(state: Any, hparams: Any) -> Any:
     return state
 
 
-class _PartProcess(templates.MeasuredProcess):
+class _PartProcess(processes.MeasuredProcess):
     """A measured process with optional `get_hparams(state)` / `set_hparams(state, h)`."""
 
     def __init__(
@@ -94,7 +96,7 @@ class FinalizerProcess(_PartProcess):
     new_weights@SERVER, m)`."""
 
 
-class LearningProcess(templates.IterativeProcess):
+class LearningProcess(processes.IterativeProcess):
     """An iterative process that trains (or evaluates) a model.
 
     `initialize()` returns the state (a pytree); `next(state, client_data)` takes one

@@ -8,8 +8,8 @@ from typing import Any
 import jax
 
 from fedlang import aggregators
+from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import computation
-from fedlang.core import jax_computation as jax_backend
 from fedlang.learning import composers, distributors, finalizers, templates
 from fedlang.learning.models import model as model_lib
 

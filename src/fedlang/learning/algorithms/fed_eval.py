@@ -6,9 +6,9 @@ from typing import Any
 
 import jax
 
-from fedlang.core import jax_computation as jax_backend
+from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import operators, tracing, types
-from fedlang.learning import distributors, evaluation, templates
+from fedlang.learning import composers, distributors, evaluation, templates
 from fedlang.learning import metrics as metrics_lib
 from fedlang.learning.algorithms import common
 from fedlang.learning.algorithms.fed_avg import ModelFn
@@ -29,7 +29,8 @@ def build_fed_eval(
 
     Metrics: `metrics['client_work']['eval']['current_round_metrics']` (this call's
     clients) and `['total_rounds_metrics']` (all calls so far on this state), each
-    `{'loss', <metrics>, 'num_examples', 'num_batches'}`.
+    `{'loss', <metrics>, 'num_examples', 'num_batches'}`; `metrics['traffic']` as for
+    training processes.
 
     Args:
       model_fn: a no-argument function returning a model.
@@ -72,9 +73,10 @@ def build_fed_eval(
         )
 
     @tracing.federated_computation(initialize.type_signature.result, data_t)
-    def next_fn(state, client_data):
+    def round_fn(state, client_data):
         sent = distributor.next(state.distributor, state.global_model_weights)
-        stats = operators.federated_sum(operators.federated_map(local, (sent.result, client_data)))
+        client_stats = operators.federated_map(local, (sent.result, client_data))
+        stats = operators.federated_sum(client_stats)
         total = operators.federated_map(add, (state.client_work, stats))
         new_state = operators.federated_zip(
             templates.LearningAlgorithmState(
@@ -91,7 +93,9 @@ def build_fed_eval(
             "aggregator": operators.federated_value({}, types.SERVER),
             "finalizer": operators.federated_value({}, types.SERVER),
         }
-        return templates.LearningProcessOutput(new_state, metrics)
+        return templates.LearningProcessOutput(new_state, metrics), client_stats.num_examples
+
+    next_fn = composers.traffic_measured(round_fn)
 
     def get_model_weights(state: Any) -> model_lib.ModelWeights:
         return model_lib.ModelWeights(*state.global_model_weights)

@@ -17,9 +17,10 @@ import numpy as np
 import optax
 
 from fedlang import aggregators
-from fedlang.core import jax_computation as jax_backend
-from fedlang.core import operators, structure, tracing, types
-from fedlang.core import templates as core_templates
+from fedlang.aggregators import tools
+from fedlang.backends.jax import computation as jax_backend
+from fedlang.core import operators, tracing, types
+from fedlang.core import processes as core_processes
 from fedlang.learning import client_works, optimizers, templates
 from fedlang.learning import metrics as metrics_lib
 from fedlang.learning.algorithms import common
@@ -34,12 +35,7 @@ def _mime_client_work(
     weights_t = model.weights_type()
     trainable_t = cast(types.StructType, weights_t)["trainable"]  # ModelWeights: a struct
     data_t = types.SequenceType(model.input_spec)
-    zeros = structure.to_container(
-        structure.unflatten(
-            [np.zeros(lt.shape, lt.dtype) for lt in structure.leaf_types(trainable_t)], trainable_t
-        ),
-        trainable_t,
-    )
+    zeros = tools.zeros(trainable_t)
     initial_state = jax.tree.map(np.asarray, base_optimizer.init(zeros))
     state_t = types.to_type(initial_state)
     metrics = model.metrics
@@ -128,7 +124,7 @@ def _mime_client_work(
             }
         )
         measurements = client_works.measurements(model, outputs)
-        return core_templates.MeasuredProcessOutput(
+        return core_processes.MeasuredProcessOutput(
             new_state, operators.federated_map(to_result, outputs), measurements
         )
 

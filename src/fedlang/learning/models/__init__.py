@@ -4,6 +4,7 @@
 `from_flax` needs `pip install 'fedlang[flax]'`; both are imported only when called.
 """
 
+import os
 from typing import Any
 
 from fedlang.learning.metrics import Accuracy as Accuracy
@@ -12,6 +13,11 @@ from fedlang.learning.metrics import Metric as Metric
 from fedlang.learning.models.model import FunctionalModel as FunctionalModel
 from fedlang.learning.models.model import Model as Model
 from fedlang.learning.models.model import ModelWeights as ModelWeights
+
+# Keras picks its backend when it is first imported: choose JAX now (cheaply, without
+# importing Keras) so that `import fedlang` followed by `import keras` works without
+# TensorFlow. An explicit KERAS_BACKEND is respected (and refused at use if not jax).
+os.environ.setdefault("KERAS_BACKEND", "jax")
 
 
 def from_keras_model(keras_model: Any, loss: Any, input_spec: Any, metrics: Any = None) -> Model:
@@ -28,11 +34,12 @@ def weights_from_keras_model(keras_model: Any) -> ModelWeights:
     return _keras.weights_from_keras_model(keras_model)
 
 
-def assign_weights_to_keras_model(weights: Any, keras_model: Any) -> None:
-    """Copies `ModelWeights` (e.g. `process.get_model_weights(state)`) into a Keras model."""
+def assign_weights_to_keras_model(keras_model: Any, weights: Any) -> None:
+    """Copies `ModelWeights` (e.g. `process.get_model_weights(state)`) into a Keras model
+    (TFF's argument order: the model first)."""
     from fedlang.learning.models import keras_model as _keras
 
-    _keras.assign_weights_to_keras_model(weights, keras_model)
+    _keras.assign_weights_to_keras_model(keras_model, weights)
 
 
 def from_flax(module: Any, loss_fn: Any, input_spec: Any, metrics: Any = (), **kwargs: Any) -> Model:

@@ -9,23 +9,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import flax.linen as nn
-import numpy as np
 
-from fedlang.core import structure, types
+from fedlang.aggregators import tools
 from fedlang.learning import metrics as metrics_lib
 from fedlang.learning.models import model as model_lib
-
-
-def _sample_input(x_type: types.Type) -> Any:
-    """Zeros of `x_type`, with unknown dimensions set to 1 (to run `module.init`)."""
-    leaves = [
-        np.zeros(tuple(1 if d is None else d for d in lt.shape), lt.dtype)
-        for lt in structure.leaf_types(x_type)
-    ]
-    return structure.to_container(structure.unflatten(leaves, x_type), x_type)
 
 
 class FlaxModel(model_lib.Model):
@@ -52,7 +42,7 @@ class FlaxModel(model_lib.Model):
         return {} if self._train_arg is None else {self._train_arg: training}
 
     def initial_weights(self, rng: Any) -> model_lib.ModelWeights:
-        x = _sample_input(cast(types.StructType, self.input_spec)["x"])  # see check_input_spec
+        x = tools.zeros(model_lib.x_type(self.input_spec), unknown_dim=1)  # to run init
         variables = dict(self.module.init(rng, x, **self._kwargs(False)))
         params = variables.pop("params", {})
         return model_lib.ModelWeights(

@@ -1,8 +1,9 @@
 """Keras 3 models (JAX backend) as fedlang models, and weight copies in and out.
 
-Needs `pip install 'fedlang[keras]'`. Keras must run on JAX: this module sets
-`KERAS_BACKEND=jax` when it is not set, before importing Keras; another backend
-already chosen raises an `ImportError`.
+Needs `pip install 'fedlang[keras]'`. Keras must run on JAX: importing fedlang sets
+`KERAS_BACKEND=jax` when it is not set (Keras reads it when it is first imported), and
+a Keras already imported with another backend raises an `ImportError` that says what
+to set.
 
 The model is used through `stateless_call(trainable, non_trainable, x, training)`, a
 pure function: its variables are never mutated by training, and the weights travel as
@@ -27,8 +28,11 @@ from fedlang.learning.models import model as model_lib
 
 if keras.backend.backend() != "jax":
     raise ImportError(
-        f"fedlang needs Keras on the JAX backend, found {keras.backend.backend()!r}. Set the "
-        "environment variable KERAS_BACKEND=jax before importing keras."
+        f"Expected Keras on the JAX backend, found Keras already imported with the "
+        f"{keras.backend.backend()!r} backend (KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}). "
+        "Start Python with the environment variable KERAS_BACKEND=jax (`export "
+        "KERAS_BACKEND=jax`, or os.environ['KERAS_BACKEND'] = 'jax' before the first `import "
+        "keras`), or import fedlang before keras."
     )
 
 
@@ -68,26 +72,50 @@ def _metrics(metrics: Any) -> tuple[metrics_lib.Metric, ...]:
     )
 
 
+def _value(variable: Any) -> Any:
+    """A variable's value as a NumPy array, or as it is when it is being traced (a model
+    built inside a computation holds tracers, which cannot become NumPy arrays)."""
+    value = variable.value
+    try:
+        return np.asarray(value)
+    except jax.errors.TracerArrayConversionError:
+        return value
+
+
 def weights_from_keras_model(keras_model: keras.Model) -> model_lib.ModelWeights:
-    """The model's current weights (e.g. after pretraining) as `ModelWeights` of NumPy arrays.
+    """The model's current weights (e.g. after pretraining) as `ModelWeights`.
+
+    The arrays are NumPy arrays, except for a model built inside a computation (a
+    `jax_computation` calling `model_fn()`, as TFF's tutorials build models inside
+    `tff.tf_computation`s), whose weights are that computation's traced values.
 
     Raises:
       TypeError: when `keras_model` is not a built Keras model.
     """
     _check_model(keras_model)
     return model_lib.ModelWeights(
-        [np.asarray(v.value) for v in keras_model.trainable_variables],
-        [np.asarray(v.value) for v in keras_model.non_trainable_variables],
+        [_value(v) for v in keras_model.trainable_variables],
+        [_value(v) for v in keras_model.non_trainable_variables],
     )
 
 
-def assign_weights_to_keras_model(weights: Any, keras_model: keras.Model) -> None:
+def assign_weights_to_keras_model(keras_model: keras.Model, weights: Any) -> None:
     """Copies `ModelWeights` (e.g. `process.get_model_weights(state)`) into `keras_model`.
 
+    The argument order is TFF's (`tff.learning.assign_weights_to_keras_model(
+    keras_model, weights)`).
+
     Raises:
-      TypeError: when `keras_model` is not a built Keras model.
+      TypeError: when `keras_model` is not a built Keras model (e.g. the arguments
+        are in the other order).
       ValueError: when the number or shapes of the weights do not match the model's.
     """
+    if isinstance(weights, keras.Model) and not isinstance(keras_model, keras.Model):
+        raise TypeError(
+            f"Expected (keras_model, weights) as in TFF, found ({type(keras_model).__name__}, "
+            f"{type(weights).__name__}). Swap the arguments: "
+            "assign_weights_to_keras_model(keras_model, weights)."
+        )
     _check_model(keras_model)
     w = model_lib.to_numpy_weights(weights)
     for part, variables, values in (
@@ -158,7 +186,7 @@ class KerasModel(model_lib.Model):
         values = jnp.asarray(self._loss(y, predictions), jnp.float32)
         if values.ndim == 0:
             return model_lib.masked_mean_loss(lambda p, t: self._loss(t, p), predictions, y, mask)
-        values = jnp.reshape(values, (values.shape[0], -1)).mean(axis=1)
+        values = metrics_lib.per_example_mean(values)
         return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -31,22 +31,27 @@ class ModelWeights(NamedTuple):
 
 
 def batch_fields(batch: Any) -> tuple[Any, Any, Any]:
-    """`(x, y, mask)` of a batch (a dict or namedtuple with fields `x`, `y`, optional `mask`).
+    """`(x, y, mask)` of a batch, in the forms Keras accepts.
 
-    The mask is float32 with one 0/1 entry per example, or None when absent; with it,
-    runtimes may pad batches and mask the padding out.
+    A batch is a dict or namedtuple with fields `x`, `y` and an optional per-example
+    `mask`, or a pair `(x, y)` (TFF's tutorials use both). The mask is float32 with
+    one 0/1 entry per example, or None when absent; with it, runtimes may pad batches
+    and mask the padding out.
 
     Raises:
-      TypeError: when the batch has no `x` or `y` field.
+      TypeError: when the batch is none of these.
     """
     if isinstance(batch, dict):
         get = batch.get
     elif types.is_namedtuple(batch):
         def get(k: str, default: Any = None) -> Any:
             return getattr(batch, k, default)
+    elif isinstance(batch, tuple | list) and len(batch) == 2:
+        return batch[0], batch[1], None
     else:
         raise TypeError(
-            f"Expected a batch as a dict or namedtuple with fields 'x' and 'y', found {type(batch).__name__}."
+            "Expected a batch as a dict or namedtuple with fields 'x' and 'y' (and optionally "
+            f"'mask'), or a pair (x, y); found {types.describe(batch)}."
         )
     x, y, mask = get("x"), get("y"), get("mask")
     if x is None or y is None:
@@ -99,19 +104,44 @@ def _canonical(tree: Any) -> Any:
 
 
 def check_input_spec(input_spec: Any) -> types.Type:
-    """Converts an input spec to a batch type and checks it has `x` and `y`.
+    """The type of one batch, with any batch dimension: checks the spec names `x` and `y`.
+
+    Accepted: a struct with fields `x` and `y` (and optionally `mask`), or a pair
+    `(x, y)`, of anything `fedlang.to_type` accepts, e.g. a dataset's `element_spec`.
+    The leading (batch) dimension of every tensor becomes unknown (`?`): a spec taken
+    from data batched with a fixed size (`batch(20, drop_remainder=True)`) describes
+    batches of any size, so the last, smaller batch and the runtimes' padded batches
+    fit it too.
 
     Raises:
-      TypeError: when the spec is not a struct with named fields 'x' and 'y'.
+      TypeError: when the spec is neither form.
     """
     t = types.to_type(input_spec)
-    if not isinstance(t, types.StructType) or not {"x", "y"} <= set(t.names):
+    named = isinstance(t, types.StructType) and {"x", "y"} <= set(t.names)
+    pair = isinstance(t, types.StructType) and len(t) == 2 and t.names == (None, None)
+    if not (named or pair):
         raise TypeError(
-            "Expected input_spec to describe one batch as a struct with fields 'x' and 'y', e.g. "
-            "{'x': (np.float32, [None, 784]), 'y': (np.int32, [None])}; found "
-            f"{t}."
+            "Expected input_spec to describe one batch as a struct with fields 'x' and 'y' or a "
+            "pair (x, y), e.g. {'x': (np.float32, [None, 784]), 'y': (np.int32, [None])} or a "
+            f"dataset's element_spec; found {t}."
         )
+    return _any_batch_size(t)
+
+
+def _any_batch_size(t: types.Type) -> types.Type:
+    if isinstance(t, types.StructType):
+        return types.StructType(
+            [(n, _any_batch_size(e)) for n, e in t.elements], container=t.container
+        )
+    if isinstance(t, types.TensorType) and t.shape:
+        return types.TensorType(t.dtype, (None, *t.shape[1:]))
     return t
+
+
+def x_type(input_spec: types.Type) -> types.Type:
+    """The type of the features `x` of a batch type from `check_input_spec`."""
+    t = cast(types.StructType, input_spec)
+    return t["x"] if "x" in t.names else t[0]
 
 
 class FunctionalModel(Model):
