@@ -16,7 +16,8 @@
    the process touched) and the peak of anonymous memory (`RssAnon`, sampled every
    20 ms: the memory the process itself allocated).
 
-Deletes the generated store at the end unless `--keep`.
+The store goes to a new temporary directory (printed at the start) unless `--dir`
+says where; it is deleted at the end unless `--keep`.
 
 Usage:
   python bench/data_store.py                    # full run (~15 minutes on 2 cores)
@@ -31,6 +32,7 @@ import pathlib
 import platform
 import resource
 import shutil
+import tempfile
 import threading
 import time
 
@@ -122,9 +124,10 @@ def _timed(ds, clock: list[float]):
     return Dataset.from_generator_fn(gen, element_spec=ds.structure)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dir", default="/work/bench-data", help="where the store is written")
+    parser.add_argument("--dir", default=None,
+                        help="the directory to write the store in (default: a new temporary directory)")
     parser.add_argument("--gigabytes", type=float, default=8.0)
     parser.add_argument("--clients", type=int, default=1100)
     parser.add_argument("--cohort", type=int, default=100)
@@ -133,7 +136,18 @@ def main() -> None:
     parser.add_argument("--memory-budget-mb", type=int, default=128,
                         help="the simulation runtime's staged client data per chunk (its default: 512)")
     parser.add_argument("--keep", action="store_true", help="keep the generated store")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def store_dir(requested: str | None) -> pathlib.Path:
+    """The directory to write the store in: `requested`, or a new temporary directory."""
+    if requested is None:
+        return pathlib.Path(tempfile.mkdtemp(prefix="fedlang-data-store-"))
+    return pathlib.Path(requested)
+
+
+def main() -> None:
+    args = parse_args()
 
     import optax
 
@@ -141,8 +155,9 @@ def main() -> None:
     import fedlang.simulation as sim
     from fedlang.learning import algorithms, models
 
-    out = pathlib.Path(args.dir)
+    out = store_dir(args.dir)
     path = out / "emnist_like_store"
+    print(f"Writing the store to {path}{' (kept: --keep)' if args.keep else ' (deleted at the end)'}", flush=True)
     free = shutil.disk_usage(out.parent if not out.exists() else out).free
     if free < args.gigabytes * 1.2e9:
         raise SystemExit(f"Expected {args.gigabytes * 1.2:.1f} GB free under {out}, found {free / 1e9:.1f} GB.")
@@ -189,7 +204,7 @@ def main() -> None:
             def close(self):
                 pass
 
-        with MemorySampler() as mem, fl.runtime.simulation(memory_budget=args.memory_budget_mb << 20):
+        with MemorySampler() as mem, fl.runtime.simulation_context(memory_budget=args.memory_budget_mb << 20):
             result = sim.run_training(process, cd, sim.UniformSampler(cd.client_ids, args.cohort, seed=args.seed),
                                       args.rounds, preprocess=preprocess, metrics=[Split()], progress=False)
         times = [h["metrics"]["round_time_s"] for h in result.history]
@@ -211,7 +226,7 @@ def main() -> None:
         ]
     finally:
         if not args.keep:
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path if args.dir else out, ignore_errors=True)
     rows.append(("machine", f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
                             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"))
     width = max(len(k) for k, _ in rows)

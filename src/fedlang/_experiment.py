@@ -4,12 +4,16 @@ A config has the tables `[data]`, `[model]`, `[algorithm]` (with
 `[algorithm.client_optimizer]`, `[algorithm.server_optimizer]`), `[training]` and
 `[output]`; every key has a default (`DEFAULTS`, which is `fedlang demo`'s run), and
 an unknown key is an error. See docs/cli.md for the reference.
+
+This module is the CLI's: its errors are `ConfigError`s worded for a config file and
+the `fedlang train` flags, raised before any training starts where that is possible.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import math
 import pathlib
 import shutil
 import tomllib
@@ -19,13 +23,14 @@ from typing import Any
 import numpy as np
 
 from fedlang import simulation as sim
-from fedlang.simulation import inspection
+from fedlang.core import types
+from fedlang.simulation import checkpoint, inspection
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "data": {
         "dataset": "digits", "path": "", "format": "auto", "split": "", "client_column": "",
         "num_clients": 40, "partition": "dirichlet", "alpha": 0.5, "seed": 0,
-        "x": "x", "y": "y", "held_out_clients": 8,
+        "x": "x", "y": "y", "standardize": False, "held_out_clients": 8,
         "batch_size": 16, "epochs": 2, "shuffle_buffer": 200,
     },
     "model": {"kind": "mlp", "hidden": [32], "num_classes": 10, "seed": 0},
@@ -43,10 +48,39 @@ ALGORITHMS = ("fedavg", "fedavg_unweighted", "fedprox", "fedsgd")
 OPTIMIZERS = ("sgd", "adam", "adagrad", "yogi", "adamw", "rmsprop")
 # Keys that do not change the trained weights, so a resumed run may change them.
 _NOT_FINGERPRINTED = {"training": ("rounds", "evaluate_every", "checkpoint_every"), "output": None}
+# The `fedlang train` flag that overrides a config key, for advice in messages.
+FLAGS = {"training.rounds": "--rounds", "output.dir": "--output-dir",
+         "output.resume": "--resume/--no-resume"}
+# A train loss this many times a uniform guess's means the run diverged.
+DIVERGED = 10.0
 
 
 class ConfigError(ValueError):
-    """An invalid experiment config (unknown key, wrong type, bad value)."""
+    """An invalid experiment config or data (unknown key, wrong type, bad value), said
+    for the config file and the `fedlang train` flags."""
+
+
+def _kind(value: Any) -> str:
+    """What a TOML value is, in words."""
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "a table" if isinstance(value, Mapping) else type(value).__name__
+
+
+def _fits(default: Any, value: Any) -> bool:
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, int | float)
+    return isinstance(value, type(default))
 
 
 def _merge(defaults: Mapping[str, Any], given: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -61,9 +95,13 @@ def _merge(defaults: Mapping[str, Any], given: Mapping[str, Any], where: str) ->
             if not isinstance(value, Mapping):
                 raise ConfigError(f"Expected a table for {name!r}, found {value!r}.")
             out[key] = {**value} if key.endswith("_optimizer") else _merge(default, value, name)
-        elif isinstance(default, bool) != isinstance(value, bool) or not isinstance(
-                value, type(default) if not isinstance(default, float) else (int, float)):
-            raise ConfigError(f"Expected {name} to be a {type(default).__name__}, found {value!r}.")
+        elif name == "data.x" and isinstance(value, list) and value and all(
+                isinstance(v, str) for v in value):
+            out[key] = value  # several feature columns, stacked into one vector
+        elif not _fits(default, value):
+            extra = " or a list of field names" if name == "data.x" else ""
+            raise ConfigError(f"Expected {name} to be {_kind(default)}{extra}, found {value!r} "
+                              f"({_kind(value)}).")
         else:
             out[key] = value
     return out
@@ -130,23 +168,138 @@ def fingerprint_config(config: Mapping[str, Any]) -> dict[str, Any]:
 # -- building the pieces ----------------------------------------------------------
 
 
-def load_data(config: Mapping[str, Any]) -> tuple[sim.ClientData, sim.ClientData | None]:
-    """`(train, held_out)` client data with elements `{'x', 'y'}`."""
-    d = config["data"]
+def _source(d: Mapping[str, Any]) -> sim.ClientData:
     if d["dataset"] == "digits":
-        cd = sim.datasets.digits(d["num_clients"], d["partition"], d["alpha"], d["seed"])
-    elif d["dataset"] == "synthetic":
-        cd = sim.datasets.synthetic(d["alpha"], d["alpha"], d["num_clients"], seed=d["seed"])
-    else:
-        fmt = "auto" if d["dataset"] == "store" else d["dataset"]
-        cd = inspection.open_source(d["path"], d["format"] if d["format"] != "auto" else fmt,
-                                    split=d["split"] or None, client_column=d["client_column"] or None)
-    if (d["x"], d["y"]) != ("x", "y"):
-        x, y = d["x"], d["y"]
-        cd = cd.preprocess(lambda ds: ds.map(lambda e: {"x": e[x], "y": e[y]}))
+        return sim.datasets.digits(d["num_clients"], d["partition"], d["alpha"], d["seed"])
+    if d["dataset"] == "synthetic":
+        return sim.datasets.synthetic(d["alpha"], d["alpha"], d["num_clients"], seed=d["seed"])
+    path = pathlib.Path(d["path"])
+    if not path.exists():
+        raise FileNotFoundError(
+            f"Expected the data.path of dataset {d['dataset']!r} to exist, found nothing at {path}.")
+    fmt = "auto" if d["dataset"] == "store" else d["dataset"]
+    fmt = d["format"] if d["format"] != "auto" else fmt
+    kind = inspection.detect_format(path) if fmt == "auto" else fmt
+    if kind == "csv" and not d["client_column"]:
+        import pyarrow.csv as pacsv
+
+        raise ConfigError(
+            f"Expected data.client_column to name the client-id column of {path}, found none; "
+            f"its columns are {pacsv.read_csv(path).column_names}. Set client_column in [data].")
+    if kind == "sqlite" and not d["split"]:
+        from fedlang.simulation.formats import sqlite
+
+        raise ConfigError(
+            f"Expected data.split for the SQLite file {path}, found none; its splits are "
+            f"{sqlite.split_names(path)}. Set split in [data].")
+    columns = None
+    if kind == "csv":
+        # Read only the fields the run uses (a blank cell elsewhere does not matter), after
+        # checking that they exist.
+        import pyarrow.csv as pacsv
+
+        header = pacsv.open_csv(path).schema.names
+        columns = [*([d["x"]] if isinstance(d["x"], str) else list(d["x"])), d["y"]]
+        missing = [c for c in columns if c not in header]
+        if missing:
+            raise ConfigError(
+                f"Expected data.x and data.y to name fields of the data, found no field {missing}; "
+                f"its fields are {sorted(c for c in header if c != d['client_column'])}. Set x "
+                "and y in [data].")
+    return inspection.open_source(path, fmt, split=d["split"] or None,
+                                  client_column=d["client_column"] or None, columns=columns)
+
+
+def _features(cd: sim.ClientData, d: Mapping[str, Any]) -> sim.ClientData:
+    """Client data with elements `{'x': features, 'y': integer label}`, checked first."""
+    fields = cd.structure
+    if not isinstance(fields, Mapping):
+        raise ConfigError(
+            f"Expected elements with named fields (set data.x and data.y), found {fields}.")
+    xs = [d["x"]] if isinstance(d["x"], str) else list(d["x"])
+    missing = [f for f in [*xs, d["y"]] if f not in fields]
+    if missing:
+        raise ConfigError(
+            f"Expected data.x and data.y to name fields of the data, found no field {missing}; "
+            f"its fields are {sorted(fields)}. Set x and y in [data].")
+    y_t = fields[d["y"]]
+    if not (isinstance(y_t, types.TensorType) and y_t.shape == () and y_t.dtype.kind in "iu"):
+        raise ConfigError(
+            f"Expected the label field data.y = {d['y']!r} to hold one integer per example, found "
+            f"{y_t}. A blank or non-integer cell turns a CSV column into floats (blanks become "
+            "NaN): fill or drop those rows.")
+    for f in xs:
+        t = fields[f]
+        if not (isinstance(t, types.TensorType) and t.dtype.kind in "iuf"
+                and (len(xs) == 1 or t.shape == ())):
+            raise ConfigError(
+                f"Expected the feature field {f!r} to hold {'numbers' if len(xs) == 1 else 'one number'}"
+                f" per example, found {t}.")
+    if xs == ["x"] and d["y"] == "y":
+        return cd
+    y = d["y"]
+    if len(xs) == 1:
+        (x,) = xs
+        spec = {"x": fields[x], "y": y_t}
+        return cd.preprocess(lambda ds: ds.map(lambda e: {"x": e[x], "y": e[y]}, spec))
+    spec = {"x": types.TensorType(np.float32, [len(xs)]), "y": y_t}
+    return cd.preprocess(lambda ds: ds.map(
+        lambda e: {"x": np.asarray([e[c] for c in xs], np.float32), "y": e[y]}, spec))
+
+
+def standardizer(train: sim.ClientData) -> tuple[np.ndarray, np.ndarray]:
+    """The features' mean and standard deviation over the training clients (one pass).
+
+    Raises:
+      ConfigError: when a feature is not finite (a blank cell) somewhere.
+    """
+    total = total_sq = None
+    count = 0
+    for cid in train.client_ids:
+        for e in train.create_dataset_for_client(cid):
+            x = np.asarray(e["x"], np.float64)
+            total = x if total is None else total + x
+            total_sq = x * x if total_sq is None else total_sq + x * x
+            count += 1
+    if total is None or total_sq is None:
+        raise ConfigError("Expected training examples to standardize, found none.")
+    mean = total / count
+    std = np.sqrt(np.maximum(total_sq / count - mean * mean, 0.0))
+    if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(std))):
+        raise ConfigError(
+            "Expected finite features to standardize, found NaN or infinite values (a blank "
+            "CSV cell becomes NaN): fill or drop those rows.")
+    return mean.astype(np.float32), np.where(std > 0, std, 1.0).astype(np.float32)
+
+
+def load_data(config: Mapping[str, Any]) -> tuple[sim.ClientData, sim.ClientData | None]:
+    """`(train, held_out)` client data with elements `{'x', 'y'}`, standardized if asked.
+
+    Raises:
+      ConfigError: for a field that does not exist, non-integer labels, a CSV without
+        `client_column`, an SQLite file without `split`.
+      FileNotFoundError: when `data.path` does not exist.
+    """
+    d = config["data"]
+    cd = _features(_source(d), d)
     if d["held_out_clients"] <= 0:
-        return cd, None
-    train, test = sim.ClientData.train_test_client_split(cd, d["held_out_clients"], seed=d["seed"])
+        train, test = cd, None
+    else:
+        if not 1 <= d["held_out_clients"] < len(cd.client_ids):
+            raise ConfigError(
+                f"Expected data.held_out_clients in [0, {len(cd.client_ids) - 1}] (there are "
+                f"{len(cd.client_ids)} clients), found {d['held_out_clients']}.")
+        train, test = sim.ClientData.train_test_client_split(cd, d["held_out_clients"], seed=d["seed"])
+    if d["standardize"]:
+        mean, std = standardizer(train)
+        spec = train.structure
+
+        def scale(ds: sim.Dataset) -> sim.Dataset:
+            return ds.map(lambda e: {"x": ((e["x"] - mean) / std).astype(np.float32), "y": e["y"]},
+                          {"x": types.TensorType(np.float32, spec["x"].shape), "y": spec["y"]})
+
+        train = train.preprocess(scale)
+        test = None if test is None else test.preprocess(scale)
     return train, test
 
 
@@ -226,6 +379,62 @@ def _eval_fn(process: Any, eval_process: Any, test: sim.ClientData, batch_size: 
     return evaluate
 
 
+def _check_checkpoints(ckpt_dir: pathlib.Path, rounds: int, resume: bool) -> None:
+    """Refuses, before any work, what `run_training` would refuse, naming the CLI's flags."""
+    latest = checkpoint.latest(ckpt_dir)
+    if latest is None:
+        return
+    if not resume:
+        raise ConfigError(
+            f"Expected no checkpoints in {ckpt_dir} for a fresh run (output.resume = false or "
+            f"--no-resume), found {len(checkpoint.checkpoints(ckpt_dir))}. Pass --resume to "
+            "continue that run, or --output-dir DIR to start a new one.")
+    done = checkpoint.load(latest).round_num
+    if done > rounds:
+        raise ConfigError(
+            f"Expected training.rounds (--rounds) >= {done}, the round of the checkpoint "
+            f"{latest}, found {rounds}. Pass --rounds {done} or more to extend that run, or "
+            "--output-dir DIR to start a new one.")
+
+
+def describe(config: Mapping[str, Any]) -> str:
+    """The experiment in a few words, e.g. 'fedavg, mlp on digits: cohorts of 10 of 32
+    clients (fedlang-demo)'."""
+    d, a, m, t = config["data"], config["algorithm"], config["model"], config["training"]
+    source = d["dataset"] if d["dataset"] in ("digits", "synthetic") else pathlib.Path(
+        d["path"]).name
+    return (f"{a['name']}, {m['kind']} on {source}: cohorts of {t['cohort_size']} "
+            f"({pathlib.Path(config['output']['dir']).name})")
+
+
+def divergence(result: Any, config: Mapping[str, Any]) -> str | None:
+    """A warning when the training loss went non-finite or far above a uniform guess's.
+
+    A softmax over `num_classes` classes that guesses uniformly has loss
+    `ln(num_classes)`; a train loss `DIVERGED` times that (or NaN/inf, or clients
+    excluded for non-finite updates) means the run diverged, typically from raw,
+    unscaled features or a learning rate too large.
+
+    Returns:
+      The warning sentence, or None.
+    """
+    guess = math.log(max(config["model"]["num_classes"], 2))
+    for h in result.history:
+        work = h["metrics"].get("train", {}).get("client_work", {})
+        loss = work.get("train", {}).get("loss")
+        nonfinite = work.get("diagnostics", {}).get("num_nonfinite", 0) or 0
+        if loss is None:
+            continue
+        if not math.isfinite(loss) or loss > DIVERGED * guess or nonfinite:
+            what = (f"{nonfinite} clients' updates were not finite" if nonfinite and math.isfinite(loss)
+                    else f"the train loss is {loss:,.4g}")
+            return (
+                f"The training diverged: in round {h['round']} {what}, where a uniform guess "
+                f"scores {guess:.2f}. Standardize the features (standardize = true in [data]) "
+                "or lower the learning rate in [algorithm.client_optimizer].")
+    return None
+
+
 def run(config: Mapping[str, Any], *, progress: bool | None = None, fresh: bool = False) -> Any:
     """Runs the experiment of `config`, writing metrics, plot and checkpoints.
 
@@ -236,11 +445,16 @@ def run(config: Mapping[str, Any], *, progress: bool | None = None, fresh: bool 
 
     Returns:
       The `TrainingResult`.
+
+    Raises:
+      ConfigError: for a config or data problem (before training where possible).
     """
     d, t, out = config["data"], config["training"], pathlib.Path(config["output"]["dir"])
+    ckpt_dir = out / "checkpoints"
+    if not fresh:
+        _check_checkpoints(ckpt_dir, t["rounds"], config["output"]["resume"])
     train, test = load_data(config)
     process, eval_process = build_processes(config, build_model_fn(config, train.structure))
-    ckpt_dir = out / "checkpoints"
     if fresh:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     bs, buf, epochs = d["batch_size"], d["shuffle_buffer"], d["epochs"]
@@ -252,7 +466,8 @@ def run(config: Mapping[str, Any], *, progress: bool | None = None, fresh: bool 
     return sim.run_training(
         process, train, sampler, t["rounds"], preprocess=preprocess,
         evaluation=None if test is None else _eval_fn(process, eval_process, test, 64),
-        evaluate_every=t["evaluate_every"], metrics=sim.writers.default_writers(out),
+        evaluate_every=t["evaluate_every"],
+        metrics=sim.writers.default_writers(out, title=describe(config)),
         checkpoint_dir=ckpt_dir, checkpoint_every=t["checkpoint_every"],
         resume=config["output"]["resume"] or fresh, config=fingerprint_config(config),
         seed=t["seed"], progress=progress,

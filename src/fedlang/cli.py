@@ -1,4 +1,5 @@
-"""The `fedlang` command line: `demo`, `train CONFIG.toml`, `data inspect`, `data convert`.
+"""The `fedlang` command line: `demo`, `train CONFIG.toml`, `data inspect`, `data convert`,
+and the deployment's `serve`, `client` and `status` (in `_deploy_cli`).
 
 Run `fedlang --help` (or `python -m fedlang --help`). See docs/cli.md.
 """
@@ -12,7 +13,10 @@ from typing import Annotated, Any
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+from fedlang import _deploy_cli
 
 app = typer.Typer(
     help="fedlang: federated learning on JAX. Start with `fedlang demo`.",
@@ -25,9 +29,35 @@ _console = Console()
 _errors = Console(stderr=True)
 
 
-def _fail(error: BaseException, code: int = 1) -> typer.Exit:
-    _errors.print(f"[bold red]Error:[/] {error}", highlight=False, soft_wrap=True)
+# Input problems become one sentence on stderr, never a traceback.
+INPUT_ERRORS = (OSError, ValueError, TypeError, ImportError)
+
+
+def _fail(error: BaseException, code: int = 1, advice: str = "") -> typer.Exit:
+    # escape: messages quote config tables such as [training], which are not markup
+    text = escape(f"{error}{' ' + advice if advice else ''}")
+    _errors.print(f"[bold red]Error:[/] {text}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
+
+
+def _warn(text: str) -> None:
+    _errors.print(f"[bold yellow]Warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        import fedlang
+
+        _console.print(f"fedlang {fedlang.__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print fedlang's version and exit.")] = False,
+) -> None:
+    """fedlang: federated learning on JAX. Start with `fedlang demo`."""
 
 
 # -- training ---------------------------------------------------------------------
@@ -59,13 +89,31 @@ def _train(config: dict[str, Any], progress: bool | None, fresh: bool) -> None:
     if result.history:
         _console.print(_results_table(result.history))
     else:
-        _console.print(f"Nothing to do: the run in {out} already has {result.round_num} rounds.")
+        _console.print(f"Nothing to do: the run in {escape(str(out))} already has "
+                       f"{result.round_num} rounds.", highlight=False)
     _console.print(
-        f"{len(result.history)} rounds in {elapsed:.1f}s. Metrics: {out / 'metrics.csv'}, "
-        f"{out / 'metrics.jsonl'}; plot: {out / 'metrics.png'}; TensorBoard: "
-        f"`tensorboard --logdir {out / 'tensorboard'}`; checkpoints: {out / 'checkpoints'}.",
+        escape(f"{len(result.history)} rounds in {elapsed:.1f}s. Metrics: {out / 'metrics.csv'}, "
+               f"{out / 'metrics.jsonl'}; plot: {out / 'metrics.png'}; checkpoints: "
+               f"{out / 'checkpoints'}. TensorBoard: `tensorboard --logdir {out / 'tensorboard'}` "
+               "(install it with `pip install 'fedlang[tensorboard]'`)."),
         highlight=False, soft_wrap=True,
     )
+    warning = _experiment.divergence(result, config)
+    if warning:
+        _warn(warning)
+
+
+def _run_and_report(config: dict[str, Any], progress: bool | None, fresh: bool) -> None:
+    from fedlang import _experiment
+    from fedlang.simulation import checkpoint, store
+
+    try:
+        _train(config, progress, fresh)
+    except checkpoint.CheckpointMismatchError as e:
+        raise _fail(e, 1, "(fedlang train: --output-dir DIR starts this config in a new "
+                          "directory.)") from e
+    except (*INPUT_ERRORS, checkpoint.CheckpointError, store.StoreError) as e:
+        raise _fail(e, 2 if isinstance(e, _experiment.ConfigError) else 1) from e
 
 
 ProgressOpt = Annotated[bool | None, typer.Option("--progress/--no-progress",
@@ -92,10 +140,7 @@ def demo(
         f"[bold]fedlang demo[/]: FedAvg, MLP 64-32-10, digits over {config['data']['num_clients']} "
         f"clients (Dirichlet alpha={config['data']['alpha']}), {rounds} rounds of "
         f"{config['training']['cohort_size']} clients.", highlight=False)
-    try:
-        _train(config, progress, fresh=True)
-    except ImportError as e:
-        raise _fail(e) from e
+    _run_and_report(config, progress, fresh=True)
 
 
 @app.command()
@@ -114,16 +159,14 @@ def train(
     a different config is refused.
     """
     from fedlang import _experiment
-    from fedlang.simulation import checkpoint
 
     try:
         config = _experiment.load_config(
             config_path, training={"rounds": rounds},
             output={"dir": None if output_dir is None else str(output_dir), "resume": resume})
-        _train(config, progress, fresh=False)
-    except (FileNotFoundError, FileExistsError, _experiment.ConfigError,
-            checkpoint.CheckpointError, ImportError) as e:
+    except INPUT_ERRORS as e:
         raise _fail(e, 2 if isinstance(e, _experiment.ConfigError) else 1) from e
+    _run_and_report(config, progress, fresh=False)
 
 
 # -- data -------------------------------------------------------------------------
@@ -158,7 +201,7 @@ def data_inspect(
                            "pass --split NAME for details.", highlight=False)
             return
         summary = inspection.summarize(_open(path, fmt, split, client_column))
-    except (FileNotFoundError, ValueError, TypeError, store.StoreError) as e:
+    except (*INPUT_ERRORS, store.StoreError) as e:
         raise _fail(e) from e
     table = Table(title=f"{path} ({kind})", box=box.SIMPLE_HEAVY, show_header=False)
     table.add_column(style="bold")
@@ -196,6 +239,9 @@ def data_convert(
 
     from fedlang.simulation import inspection, store
 
+    if dst.exists() and not overwrite:
+        raise _fail(FileExistsError(f"Expected no file at {dst}, found one. Pass --overwrite to "
+                                    "replace it (a store only), or choose another DST."))
     try:
         cd = _open(src, fmt, split, client_column)
         with Progress(console=_errors, transient=True, disable=not _errors.is_terminal) as bar:
@@ -204,11 +250,14 @@ def data_convert(
             t0 = time.perf_counter()
             store.write(dst, source, overwrite=overwrite)
         summary = inspection.summarize(store.open_store(dst).client_data())
-    except (FileNotFoundError, FileExistsError, ValueError, TypeError) as e:
+    except (*INPUT_ERRORS, store.StoreError) as e:
         raise _fail(e) from e
     _console.print(f"Wrote {summary.num_clients:,} clients, {summary.num_examples:,} examples "
                    f"({summary.element_spec}) to {dst} in {time.perf_counter() - t0:.1f}s.",
                    highlight=False, soft_wrap=True)
+
+
+_deploy_cli.register(app)
 
 
 def main() -> None:

@@ -188,3 +188,52 @@ def test_to_structure_from_fedlang_types():
     assert specs.element_type(structure) == t
     with pytest.raises(TypeError, match="tensor or struct"):
         specs.to_structure(types.FederatedType(np.float32, types.CLIENTS))
+
+
+def test_unbatch_splits_elements_along_their_first_axis():
+    ds = Dataset.from_tensor_slices({"x": np.arange(12, dtype=np.float32).reshape(6, 2), "t": list("abcdef")})
+    back = ds.batch(4).unbatch()
+    assert [e["t"] for e in back] == list("abcdef")
+    assert [e["x"].tolist() for e in back][-1] == [10.0, 11.0]
+    assert str(back.structure["x"]) == "float32[2]"
+    assert str(back.structure["t"]) == "string"
+    ragged = Dataset.from_iterable([np.array([1, 2, 3]), np.array([4, 5])])
+    assert [int(v) for v in ragged.unbatch()] == [1, 2, 3, 4, 5]
+
+
+def test_unbatch_refuses_scalars_and_mismatched_lengths():
+    with pytest.raises(ValueError, match=r"leading dimension to unbatch.*found a scalar in field 'x'"):
+        list(_ds(2).unbatch())
+    odd = Dataset.from_iterable([{"a": np.zeros(3), "b": np.zeros(2)}])
+    with pytest.raises(ValueError, match=r"same leading dimension.*\[3, 2\]"):
+        list(odd.unbatch())
+
+
+def test_flat_map_concatenates_the_datasets_fn_returns():
+    ds = Dataset.from_tensor_slices({"n": np.array([2, 0, 3])})
+    flat = ds.flat_map(lambda e: Dataset.from_tensor_slices({"i": np.arange(int(e["n"]))}))
+    assert [int(e["i"]) for e in flat] == [0, 1, 0, 1, 2]
+    assert str(flat.element_spec) == "<i=int64>"
+    with pytest.raises(TypeError, match=r"flat_map.*return a Dataset, found list"):
+        list(ds.flat_map(lambda e: [e]))
+
+
+def test_shakespeare_preprocessing_as_tff_writes_it():
+    # TFF's tutorial: map(to_ids).unbatch().batch(SEQ_LENGTH + 1, drop_remainder=True).map(split_input_target)
+    snippets = Dataset.from_tensor_slices({"snippets": ["To be, or not", "to be"]})
+    to_ids = lambda e: np.frombuffer(e["snippets"].encode(), np.uint8).astype(np.int32)  # noqa: E731
+    chunks = snippets.map(to_ids).unbatch().batch(6, drop_remainder=True).map(lambda c: (c[:-1], c[1:]))
+    pairs = list(chunks)
+    assert len(pairs) == 3 and bytes(pairs[0][0].astype(np.uint8)) == b"To be"
+    assert bytes(pairs[1][0].astype(np.uint8)) == b" or n" and bytes(pairs[1][1].astype(np.uint8)) == b"or no"
+    assert str(chunks.element_spec) == "<int32[5],int32[5]>"
+
+
+def test_from_generator_under_tff_name():
+    ds = Dataset.from_generator(lambda: ({"v": np.float32(i)} for i in range(3)), element_spec={"v": np.float32})
+    assert [float(e["v"]) for e in ds] == [0.0, 1.0, 2.0] and [float(e["v"]) for e in ds][-1] == 2.0
+    assert str(ds.element_spec) == "<v=float32>"
+    counted = Dataset.from_generator(lambda n: ({"v": np.int32(i)} for i in range(n)), args=(4,))
+    assert [int(e["v"]) for e in counted] == [0, 1, 2, 3]
+    with pytest.raises(TypeError, match=r"callable that returns a fresh iterator.*lambda: "):
+        Dataset.from_generator({"v": i} for i in range(3))

@@ -76,7 +76,7 @@ class _FedAvg:
 
 @pytest.fixture(scope="module")
 def fedavg():
-    with fl.runtime.simulation(strategy="loop"):
+    with fl.runtime.simulation_context(strategy="loop"):
         yield _FedAvg()
 
 

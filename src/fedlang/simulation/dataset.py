@@ -28,7 +28,7 @@ With `seed=None` every pass draws fresh OS entropy.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -76,9 +76,10 @@ def _as_column(x: Any) -> np.ndarray:
 class Dataset:
     """A lazy, re-iterable sequence of elements (one client's data).
 
-    Build one with `from_tensor_slices`, `from_generator_fn`, `from_iterable` or
-    `from_slices_fn`, then chain `map`, `filter`, `shuffle`, `batch`, `repeat`,
-    `take` and `prefetch`. Each returns a new `Dataset`; nothing runs until iterated.
+    Build one with `from_tensor_slices`, `from_generator`, `from_generator_fn`,
+    `from_iterable` or `from_slices_fn`, then chain `map`, `flat_map`, `filter`,
+    `shuffle`, `batch`, `unbatch`, `repeat`, `take` and `prefetch`. Each returns a
+    new `Dataset`; nothing runs until iterated.
 
     Example:
       >>> import numpy as np
@@ -184,6 +185,40 @@ class Dataset:
         """
         structure = None if element_spec is None else specs.to_structure(element_spec)
         return cls(lambda path: iter(fn()), structure)
+
+    @classmethod
+    def from_generator(cls, generator: Callable[..., Iterable[Any]], element_spec: Any = None,
+                       args: Sequence[Any] = ()) -> Dataset:
+        """Elements from `generator(*args)`, called afresh at each pass (`tf.data`'s name).
+
+        As in `tf.data.Dataset.from_generator`, `generator` is a callable, not an
+        iterator, so the dataset can be iterated more than once; `element_spec` plays
+        the part of TF's `output_signature`.
+
+        Args:
+          generator: returns an iterable of elements when called with `args`.
+          element_spec: the spec of one element; inferred from the first element
+            (which reads it) when omitted.
+          args: positional arguments for `generator`.
+
+        Returns:
+          A lazy `Dataset`.
+
+        Raises:
+          TypeError: if `generator` is not callable (e.g. a generator object).
+
+        Example:
+          >>> ds = Dataset.from_generator(lambda n: ({'v': i} for i in range(n)), args=(3,))
+          >>> [e['v'] for e in ds]
+          [0, 1, 2]
+        """
+        if not callable(generator):
+            raise TypeError(
+                f"Expected a callable that returns a fresh iterator at each pass, found "
+                f"{type(generator).__name__}. Pass the function that makes it (`lambda: make_rows()`), "
+                "or use `Dataset.from_iterable(list_of_elements)`."
+            )
+        return cls.from_generator_fn(lambda: generator(*args), element_spec)
 
     @classmethod
     def from_iterable(cls, iterable: Iterable[Any], element_spec: Any = None) -> Dataset:
@@ -373,6 +408,84 @@ class Dataset:
         if n is not None:
             n = n // batch_size if drop_remainder else -(-n // batch_size)
         return self._derive(iter_fn, lambda: _tree.map_structure(batched, self.structure), n)
+
+    def unbatch(self) -> Dataset:
+        """Splits each element along its first axis into elements; the inverse of `batch`.
+
+        Every field of one element must have the same leading dimension; elements may
+        differ in it, so variable-length sequences unbatch into their items (as in
+        TFF's Shakespeare preprocessing: `map(to_ids).unbatch().batch(n + 1)`).
+
+        Raises:
+          ValueError: if a field is a scalar, or (when iterating) the fields of an
+            element differ in their leading dimension.
+
+        Example:
+          >>> ds = Dataset.from_iterable([np.array([1, 2, 3]), np.array([4, 5])])
+          >>> [int(v) for v in ds.unbatch()]
+          [1, 2, 3, 4, 5]
+        """
+
+        def iter_fn(path: _Path) -> Iterator[Any]:
+            it = self._iter_fn(path)
+            try:
+                for x in it:
+                    leaves = [_as_column(leaf) if isinstance(leaf, list | tuple) else leaf for leaf in _tree.flatten(x)]
+                    names = _tree.paths(x)
+                    for name, leaf in zip(names, leaves):
+                        if np.ndim(leaf) == 0:
+                            raise ValueError(f"Expected fields with a leading dimension to unbatch, found a scalar in "
+                                             f"field {name!r}. Unbatch only batched elements.")
+                    lengths = [len(leaf) for leaf in leaves]
+                    if len(set(lengths)) > 1:
+                        raise ValueError(f"Expected every field of an element to have the same leading dimension "
+                                         f"to unbatch, found {lengths} for fields {names}.")
+                    for i in range(lengths[0] if lengths else 0):
+                        yield _tree.unflatten(x, [leaf[i] for leaf in leaves])
+            finally:
+                _prefetch.close(it)
+
+        def unbatched(s: Any) -> Any:
+            if not s.shape:
+                raise ValueError(f"Expected fields with a leading dimension to unbatch, found {s}.")
+            if isinstance(s, specs.StringSpec):
+                return specs.StringSpec(s.shape[1:])
+            return types.TensorType(s.dtype, s.shape[1:])
+
+        return self._derive(iter_fn, lambda: _tree.map_structure(unbatched, self.structure))
+
+    def flat_map(self, fn: Callable[[Any], Dataset], element_spec: Any = None) -> Dataset:
+        """Maps each element to a `Dataset` with `fn` and yields their elements in turn.
+
+        Args:
+          fn: `fn(element) -> Dataset`.
+          element_spec: the spec of the output elements; inferred from the first one
+            when omitted (which reads it).
+
+        Raises:
+          TypeError: (when iterating) if `fn` returns something other than a `Dataset`.
+        """
+
+        def iter_fn(path: _Path) -> Iterator[Any]:
+            it = self._iter_fn(path)
+            try:
+                for x in it:
+                    inner = fn(x)
+                    if not isinstance(inner, Dataset):
+                        raise TypeError(f"Expected the function given to flat_map to return a Dataset, found "
+                                        f"{type(inner).__name__}. Wrap its values: `Dataset.from_tensor_slices(...)`.")
+                    inner_it = inner._iter_fn(path)
+                    try:
+                        yield from inner_it
+                    finally:
+                        _prefetch.close(inner_it)
+            finally:
+                _prefetch.close(it)
+
+        out = Dataset(iter_fn)
+        if element_spec is not None:
+            out._structure = specs.to_structure(element_spec)
+        return out
 
     def repeat(self, count: int | None = None) -> Dataset:
         """Repeats the dataset `count` times (forever when None).

@@ -80,7 +80,8 @@ def _sqlite_element(blob: bytes) -> dict[str, Any]:
 
 
 def open_source(path: str | os.PathLike, fmt: str = "auto", *, split: str | None = None,
-                client_column: str | None = None) -> client_data_lib.ClientData:
+                client_column: str | None = None,
+                columns: list[str] | None = None) -> client_data_lib.ClientData:
     """Opens client data from a path.
 
     Args:
@@ -88,6 +89,8 @@ def open_source(path: str | os.PathLike, fmt: str = "auto", *, split: str | None
       fmt: one of `FORMATS`.
       split: the split of a TFF SQLite file (required for those).
       client_column: the client-id column of a CSV file (required for those).
+      columns: for a CSV file, the columns to read (default: all but the client id);
+        the others are never converted, so a blank cell there does not matter.
 
     Returns:
       A lazy `ClientData`. SQLite examples are decoded into dicts (numeric features
@@ -123,7 +126,7 @@ def open_source(path: str | os.PathLike, fmt: str = "auto", *, split: str | None
                 f"Expected the client-id column of {path}, found none given; its columns are "
                 f"{names}. Pass --client-column NAME."
             )
-        return tabular.from_csv(path, client_column)
+        return tabular.from_csv(path, client_column, columns)
     if fmt == "leaf":
         return leaf.from_leaf(path)
     return directory.from_directory(path)

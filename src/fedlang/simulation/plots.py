@@ -1,7 +1,10 @@
 """PNG plots of metrics over rounds (matplotlib, Agg backend: no display needed).
 
-The figure is built with matplotlib's object API (`Figure` + the Agg canvas), never
-`pyplot`, so plotting neither changes nor depends on the global backend.
+One panel per metric (`loss`, `accuracy`...), with one line per place it was measured
+(`train`, `eval`) and a legend, a y label, whole-number rounds on the x axis, and a
+title naming the run. The figure is built with matplotlib's object API (`Figure` + the
+Agg canvas), never `pyplot`, so plotting neither changes nor depends on the global
+backend.
 """
 
 from __future__ import annotations
@@ -24,6 +27,85 @@ def _selected(keys: Sequence[str], wanted: Sequence[str] | None) -> list[str]:
     return [k for k in keys if k in wanted or k.rsplit("/", 1)[-1] in wanted]
 
 
+def _series(records: Sequence[Mapping[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for record in records:
+        flat = writers.scalars(writers.flatten_metrics(record.get("metrics", {})))
+        for key, value in flat.items():
+            xs, ys = series.setdefault(key, ([], []))
+            xs.append(int(record["round"]))
+            ys.append(float(value))
+    return series
+
+
+def _panels(keys: Sequence[str]) -> dict[str, dict[str, str]]:
+    """`{metric: {line label: key}}`: keys grouped by their last component.
+
+    A line is labelled by the key's first component ('train', 'eval'), or by the whole
+    path without the metric when two keys of a panel share it.
+    """
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        groups.setdefault(key.rsplit("/", 1)[-1], []).append(key)
+    panels = {}
+    for metric, members in groups.items():
+        heads = [k.split("/", 1)[0] for k in members]
+        unique = len(set(heads)) == len(heads)
+        panels[metric] = {
+            (h if unique else (k.rsplit("/", 1)[0] if "/" in k else k)): k
+            for h, k in zip(heads, members)
+        }
+    return panels
+
+
+def _title(metric: str) -> str:
+    return metric.replace("_", " ").capitalize()
+
+
+def build_figure(records: Sequence[Mapping[str, Any]], keys: Sequence[str] | None = None,
+                 title: str | None = None) -> Any:
+    """The matplotlib `Figure` of `plot_metrics` (see there), not yet saved.
+
+    Raises:
+      ImportError: without matplotlib (`pip install matplotlib`).
+      ValueError: if no record has a selected scalar metric.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as e:
+        raise ImportError("Plots need matplotlib: pip install matplotlib.") from e
+    series = _series(records)
+    chosen = _selected(list(series), keys) or (list(series) if keys is None else [])
+    if not chosen:
+        raise ValueError(
+            f"Expected metrics to plot ({list(keys) if keys else 'losses or accuracies'}), found "
+            f"{sorted(series) or 'no scalar metrics'}. Pass keys= with some of these."
+        )
+    panels = _panels(chosen)
+    n = len(panels)
+    cols = n if n <= 3 else (2 if n == 4 else 3)
+    rows = math.ceil(n / cols)
+    fig = Figure(figsize=(4.6 * cols, 3.3 * rows + (0.4 if title else 0)), layout="constrained")
+    FigureCanvasAgg(fig)
+    for i, (metric, lines) in enumerate(panels.items()):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for label, key in lines.items():
+            xs, ys = series[key]
+            ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, label=label)
+        ax.set_title(_title(metric))
+        ax.set_xlabel("round")
+        ax.set_ylabel(metric.replace("_", " "))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if len(lines) > 1 or next(iter(lines)) != metric:
+            ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
 def plot_metrics(records: Sequence[Mapping[str, Any]], path: str | os.PathLike,
                  keys: Sequence[str] | None = None, title: str | None = None) -> pathlib.Path:
     """Draws metrics over rounds into a PNG, one panel per metric.
@@ -33,8 +115,9 @@ def plot_metrics(records: Sequence[Mapping[str, Any]], path: str | os.PathLike,
         `JSONLinesWriter` (read them back with `writers.read_jsonl`).
       path: the `.png` file to write (atomically).
       keys: flattened keys (or their last components) to plot; default: every
-        metric named like a loss or an accuracy, else every scalar metric.
-      title: the figure title.
+        metric named like a loss or an accuracy, else every scalar metric. Keys with
+        the same last component (`train/.../loss`, `eval/loss`) share a panel.
+      title: the figure title (e.g. the experiment's name).
 
     Returns:
       `path`.
@@ -43,37 +126,7 @@ def plot_metrics(records: Sequence[Mapping[str, Any]], path: str | os.PathLike,
       ImportError: without matplotlib (`pip install matplotlib`).
       ValueError: if no record has a selected scalar metric.
     """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ImportError("Plots need matplotlib: pip install matplotlib.") from e
-    series: dict[str, tuple[list[int], list[float]]] = {}
-    for record in records:
-        flat = writers.scalars(writers.flatten_metrics(record.get("metrics", {})))
-        for key, value in flat.items():
-            xs, ys = series.setdefault(key, ([], []))
-            xs.append(int(record["round"]))
-            ys.append(float(value))
-    chosen = _selected(list(series), keys) or (list(series) if keys is None else [])
-    if not chosen:
-        raise ValueError(
-            f"Expected metrics to plot ({list(keys) if keys else 'losses or accuracies'}), found "
-            f"{sorted(series) or 'no scalar metrics'}. Pass keys= with some of these."
-        )
-    cols = min(3, len(chosen))
-    rows = math.ceil(len(chosen) / cols)
-    fig = Figure(figsize=(4.2 * cols, 3.0 * rows), layout="constrained")
-    FigureCanvasAgg(fig)
-    for i, key in enumerate(chosen):
-        ax = fig.add_subplot(rows, cols, i + 1)
-        xs, ys = series[key]
-        ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3)
-        ax.set_title(key, fontsize=9)
-        ax.set_xlabel("round")
-        ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
+    fig = build_figure(records, keys, title)
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp-{uuid.uuid4().hex}.png")

@@ -280,11 +280,13 @@ class PlotWriter:
       jsonl_path: if given, the rounds are read back from this JSON-lines file when
         drawing (so a resumed run plots its whole history); otherwise the rounds
         written to this writer are plotted.
+      title: the figure's title (e.g. the experiment's name).
     """
 
     def __init__(self, path: str | os.PathLike, keys: Sequence[str] | None = None,
-                 jsonl_path: str | os.PathLike | None = None):
+                 jsonl_path: str | os.PathLike | None = None, title: str | None = None):
         self.path = pathlib.Path(path)
+        self.title = title
         self.keys = list(keys) if keys is not None else None
         self.jsonl_path = None if jsonl_path is None else pathlib.Path(jsonl_path)
         self._records: list[dict[str, Any]] = []
@@ -305,17 +307,18 @@ class PlotWriter:
             records = read_jsonl(self.jsonl_path)
         from fedlang.simulation import plots
 
-        plots.plot_metrics(records, self.path, keys=self.keys)
+        plots.plot_metrics(records, self.path, keys=self.keys, title=self.title)
         self._dirty = False
 
 
-def default_writers(output_dir: str | os.PathLike) -> list[MetricsWriter]:
+def default_writers(output_dir: str | os.PathLike, title: str | None = None) -> list[MetricsWriter]:
     """CSV, JSON lines, TensorBoard and a plot in `output_dir`: `metrics.csv`,
-    `metrics.jsonl`, `tensorboard/`, `metrics.png`."""
+    `metrics.jsonl`, `tensorboard/` (view it with `tensorboard --logdir`, from
+    `pip install 'fedlang[tensorboard]'`), `metrics.png` (titled `title`)."""
     out = pathlib.Path(output_dir)
     return [
         JSONLinesWriter(out / "metrics.jsonl"),
         CSVWriter(out / "metrics.csv"),
         TensorBoardWriter(out / "tensorboard"),
-        PlotWriter(out / "metrics.png", jsonl_path=out / "metrics.jsonl"),
+        PlotWriter(out / "metrics.png", jsonl_path=out / "metrics.jsonl", title=title),
     ]

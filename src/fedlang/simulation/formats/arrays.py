@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -11,7 +11,24 @@ from fedlang.simulation import client_data as client_data_lib
 from fedlang.simulation import dataset as dataset_lib
 
 
-def from_numpy(x: Any, y: Any = None, partition: Mapping[str, Any] | None = None
+def _clients(partition: Any) -> list[tuple[str, Any]]:
+    """(client id, indices) pairs from a mapping, or from a list of index lists (ids '0', '1', ...)."""
+    if isinstance(partition, Mapping):
+        return [(str(cid), idx) for cid, idx in partition.items()]
+    expected = ("Expected a partition: a mapping client id -> indices (e.g. from "
+                "`fedlang.simulation.partitioners`), or a list of index lists (one per client)")
+    if isinstance(partition, np.ndarray) and partition.ndim == 2:
+        return [(str(i), idx) for i, idx in enumerate(partition)]
+    if isinstance(partition, list | tuple):
+        flat = [type(p).__name__ for p in partition if not isinstance(p, list | tuple | range | np.ndarray)]
+        if not flat:
+            return [(str(i), idx) for i, idx in enumerate(partition)]
+        raise TypeError(f"{expected}, found a list of {flat[0]}. For a single client, pass "
+                        f"[{str(list(partition))[:40]}].")
+    raise TypeError(f"{expected}, found {type(partition).__name__}.")
+
+
+def from_numpy(x: Any, y: Any = None, partition: Mapping[str, Any] | Sequence[Any] | None = None
                ) -> client_data_lib.ClientData:
     """Client data from arrays and a partition (client id -> example indices).
 
@@ -19,7 +36,8 @@ def from_numpy(x: Any, y: Any = None, partition: Mapping[str, Any] | None = None
       x: features, one row per example (an array, or a dict of arrays).
       y: labels, one per example, or None for unlabeled data.
       partition: client id -> indices into the rows, e.g. from
-        `fedlang.simulation.partitioners`.
+        `fedlang.simulation.partitioners`; or a list of index lists, one per client,
+        whose clients are named '0', '1', ...
 
     Returns:
       A `ClientData` whose elements are `{'x': x[i], 'y': y[i]}` (or `{'x': x[i]}`).
@@ -28,6 +46,8 @@ def from_numpy(x: Any, y: Any = None, partition: Mapping[str, Any] | None = None
     Raises:
       ValueError: if `x` and `y` differ in length, the partition is missing, or an
         index is out of range.
+      TypeError: if the partition is of another kind, or its indices are not
+        integers (a boolean mask, floats).
     """
     if partition is None:
         raise ValueError("Expected a partition (client id -> indices), found None. Make one with "
@@ -40,11 +60,15 @@ def from_numpy(x: Any, y: Any = None, partition: Mapping[str, Any] | None = None
         raise ValueError(f"Expected x and y with the same number of rows, found lengths {sorted(lengths)}.")
     n = lengths.pop()
     parts: dict[str, np.ndarray] = {}
-    for cid, idx in partition.items():
-        idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+    for cid, indices in _clients(partition):
+        idx = np.asarray(indices).reshape(-1)
+        if idx.size and idx.dtype.kind not in "iu":
+            hint = " Turn a boolean mask into indices with `np.flatnonzero(mask)`." if idx.dtype.kind == "b" else ""
+            raise TypeError(f"Expected integer indices for client {cid!r}, found {idx.dtype} values.{hint}")
+        idx = idx.astype(np.int64)
         if idx.size and (idx.min() < -n or idx.max() >= n):
             raise ValueError(f"Expected indices in [0, {n}) for client {cid!r}, found {idx.min()}..{idx.max()}.")
-        parts[str(cid)] = idx
+        parts[cid] = idx
     structure = dataset_lib.Dataset.from_tensor_slices(data).structure
 
     def take(v: Any, idx: np.ndarray) -> Any:
