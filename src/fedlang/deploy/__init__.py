@@ -1,0 +1,52 @@
+"""Deployment: real clients pull their work from a task store; secure aggregation.
+
+The same computations that run in simulation run on real clients: the deployment
+runtime (`DeploymentContext`) turns each wave of aggregations into a round, clients run
+the round's task on their own data (`client_data("train")`) and report pre-aggregated
+partials that the server folds. See docs/deploy.md.
+
+The task store's server (`Server`), its clients (`Client`) and the driver's transport
+(`ServerRounds`, `deployment_context`) need the `deploy` extra (FastAPI, uvicorn,
+httpx); they are imported on first use, so the rest works without it.
+"""
+
+import importlib as _importlib
+from typing import Any as _Any
+
+from fedlang.deploy import secagg as secagg
+from fedlang.deploy.aggregation import Folder as Folder
+from fedlang.deploy.aggregation import ReportError as ReportError
+from fedlang.deploy.context import ClientDataRef as ClientDataRef
+from fedlang.deploy.context import DeploymentContext as DeploymentContext
+from fedlang.deploy.context import LocalRounds as LocalRounds
+from fedlang.deploy.context import RoundResult as RoundResult
+from fedlang.deploy.context import client_data as client_data
+from fedlang.deploy.plan import DeploymentError as DeploymentError
+from fedlang.deploy.plan import RoundPlan as RoundPlan
+from fedlang.deploy.secagg import SecAggClient as SecAggClient
+from fedlang.deploy.secagg import SecAggError as SecAggError
+from fedlang.deploy.secagg import SecAggServer as SecAggServer
+
+_LAZY = {
+    "Server": "server",
+    "Client": "client",
+    "ServerRounds": "http",
+    "Admin": "http",
+    "RoundFailedError": "http",
+    "ServerUnavailable": "http",
+    "deployment_context": "http",
+    "CohortOptions": "store",
+    "Pace": "store",
+}
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _LAZY:
+        value = getattr(_importlib.import_module(f"fedlang.deploy.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fedlang.deploy' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

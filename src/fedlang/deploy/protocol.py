@@ -1,0 +1,129 @@
+"""The task store's HTTP protocol: its paths, and the errors both sides name.
+
+Every refusal the server gives is one of the `ProtocolError`s below: an HTTP status, a
+short machine-readable `reason` (counted in `GET /v1/status`) and a sentence for people.
+The JSON body of an error response is `{"detail": sentence, "reason": reason}`. Each
+error also subclasses the builtin that fits, so Python callers can catch it as usual.
+See docs/deploy.md, "The protocol".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+API = "/v1"
+BLOB_HASH = r"^[0-9a-f]{64}$"  # blobs are named by the SHA-256 of their bytes, in hex
+BINARY = "application/octet-stream"
+
+
+def blob_hash(data: bytes) -> str:
+    """The name of a blob: the SHA-256 of its bytes, 64 lowercase hex digits."""
+    return hashlib.sha256(data).hexdigest()
+
+
+_LENGTH = struct.Struct("<Q")
+
+
+def pack_masked_input(report: bytes, masked_input: bytes) -> bytes:
+    """The body of a secure round's masked-input message: the client's plain report and
+    its SecAgg+ masked input, so the server accepts both or neither.
+
+    The layout is the report's length (u64, little-endian), the report (the binary value
+    format), then the masked-input message (a SecAgg+ frame).
+
+    Example:
+      >>> unpack_masked_input(pack_masked_input(b"report", b"masked"))
+      (b'report', b'masked')
+    """
+    return _LENGTH.pack(len(report)) + report + masked_input
+
+
+def unpack_masked_input(body: bytes) -> tuple[bytes, bytes]:
+    """(plain report, masked input) of a `pack_masked_input` body.
+
+    Raises:
+      BadRequest: the body is not of that form.
+    """
+    if len(body) < _LENGTH.size:
+        raise BadRequest(
+            f"Expected a masked-input body (u64 report length, report, masked input), found "
+            f"{len(body)} bytes."
+        )
+    (n,) = _LENGTH.unpack_from(body)
+    if n > len(body) - _LENGTH.size:
+        raise BadRequest(
+            f"Expected a plain report of at most {len(body) - _LENGTH.size} bytes after the "
+            f"length, found a length of {n}."
+        )
+    start = _LENGTH.size
+    return bytes(body[start : start + n]), bytes(body[start + n :])
+
+
+class ProtocolError(Exception):
+    """A request the server refuses; `status` is its HTTP status."""
+
+    status = 400
+    reason = "bad_request"
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+
+class BadRequest(ProtocolError, ValueError):
+    """The request is malformed (or a report is not one client's valid contribution)."""
+
+
+class Unauthorized(ProtocolError, PermissionError):
+    """A missing, unknown or expired token or credential."""
+
+    status = 401
+    reason = "unauthorized"
+
+
+class Forbidden(ProtocolError, PermissionError):
+    """The caller is known but may not do this (e.g. report for a task it was not given)."""
+
+    status = 403
+    reason = "not_assigned"
+
+
+class NotFound(ProtocolError, LookupError):
+    """No such population, round or blob."""
+
+    status = 404
+    reason = "not_found"
+
+
+class Conflict(ProtocolError, ValueError):
+    """The request contradicts the stored state (another report for the same task, a
+    population that exists, a round that is not closed yet)."""
+
+    status = 409
+    reason = "conflict"
+
+
+class Gone(ProtocolError, ValueError):
+    """A report for a round that has closed: late reports are refused and counted."""
+
+    status = 410
+    reason = "late"
+
+
+class TooLarge(ProtocolError, ValueError):
+    """An upload larger than the limit."""
+
+    status = 413
+    reason = "too_large"
+
+
+ERRORS: dict[int, type[ProtocolError]] = {
+    e.status: e for e in (BadRequest, Unauthorized, Forbidden, NotFound, Conflict, Gone, TooLarge)
+}
+
+
+def error_for(status: int, message: str, reason: str | None = None) -> ProtocolError:
+    """The error a client raises for an error response of the server."""
+    return ERRORS.get(status, ProtocolError)(message, reason)

@@ -1,0 +1,152 @@
+"""The JSON bodies of the task store's protocol (pydantic models; they make the OpenAPI
+schema). Binary bodies (blobs, reports, aggregates) are raw bytes, not JSON."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import pydantic
+
+from fedlang.deploy import protocol
+
+NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+Hash = Annotated[str, pydantic.Field(pattern=protocol.BLOB_HASH, description="SHA-256, hex.")]
+
+
+class ErrorOut(pydantic.BaseModel):
+    detail: str = pydantic.Field(description="What was expected, what was found, and the fix.")
+    reason: str = pydantic.Field(description="The kind of refusal, as counted in /v1/status.")
+
+
+class PopulationIn(pydantic.BaseModel):
+    name: Annotated[str, pydantic.Field(pattern=NAME, description="1-64 of A-Z a-z 0-9 _ . -")]
+
+
+class PopulationOut(pydantic.BaseModel):
+    name: str
+    token: str = pydantic.Field(description="The enrollment token clients enroll with.")
+
+
+class PopulationInfo(pydantic.BaseModel):
+    name: str
+    clients: int = pydantic.Field(description="Clients enrolled so far.")
+    finished: bool
+    created: float
+
+
+class BlobOut(pydantic.BaseModel):
+    hash: str = pydantic.Field(description="The blob's name: the SHA-256 of its bytes, in hex.")
+    size: int
+
+
+class RoundIn(pydantic.BaseModel):
+    population: Annotated[str, pydantic.Field(pattern=NAME)]
+    plan: Hash = pydantic.Field(description="The blob of the unsigned plan (RoundPlan.to_bytes).")
+    broadcast: Hash = pydantic.Field(description="The blob of the broadcast value.")
+    target: int = pydantic.Field(ge=1, le=10**7, description="Reports wanted; closes the round.")
+    over_selection: float = pydantic.Field(
+        default=0.0, ge=0, le=10, description="Extra clients assigned, as a fraction of the target."
+    )
+    quorum: int | None = pydantic.Field(
+        default=None, ge=1, le=10**7, description="Fewest reports to close with at the deadline."
+    )
+    deadline: float = pydantic.Field(
+        default=600.0, gt=0, le=30 * 86400, description="Seconds from now until the round closes or fails."
+    )
+    request_id: str | None = pydantic.Field(
+        default=None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$",
+        description="Makes the request idempotent: a retry returns the same round.",
+    )
+    stage_timeout: float | None = pydantic.Field(
+        default=None, gt=0, le=30 * 86400,
+        description="A secure round's seconds for each of stages 2-4 (stage 1 may use the rest "
+        "of the deadline); default: a quarter of the deadline.",
+    )
+
+
+class RoundOut(pydantic.BaseModel):
+    id: int
+    population: str
+    kind: str = pydantic.Field(
+        description="'aggregate': one report per client; 'secure': the stages of SecAgg+."
+    )
+    state: str = pydantic.Field(description="open, closed or failed.")
+    plan: str = pydantic.Field(description="The blob of the signed plan clients download.")
+    broadcast: str
+    target: int
+    capacity: int = pydantic.Field(description="Clients that may be assigned (over-selection).")
+    quorum: int
+    deadline: float = pydantic.Field(description="Seconds since the epoch.")
+    created: float
+    closed: float | None
+    assigned: int
+    reports: int
+    late: int
+    dropped: int = pydantic.Field(description="Assigned clients that had not reported at close.")
+    refused: int
+    failure: str
+    stage: int = pydantic.Field(
+        default=0,
+        description="A secure round's stage: 1 advertise keys, 2 share keys, 3 masked input, "
+        "4 unmasking, 5 done, 6 failed; 0 for an aggregate round.",
+    )
+
+
+class EnrollOut(pydantic.BaseModel):
+    client_id: str
+    credential: str = pydantic.Field(description="The client's bearer credential.")
+    expires: float = pydantic.Field(description="When the credential expires (epoch seconds).")
+    public_key: str = pydantic.Field(
+        description="The server's Ed25519 public key (32 bytes, base64): pin it."
+    )
+
+
+class TaskOut(pydantic.BaseModel):
+    round: int
+    plan: str = pydantic.Field(description="Blob of the signed plan (verify with the pinned key).")
+    broadcast: str = pydantic.Field(description="Blob of the broadcast value.")
+    deadline: float
+    seconds_left: float
+    kind: str = pydantic.Field(
+        default="aggregate",
+        description="'aggregate': upload one report; 'secure': take part in the stages of "
+        "GET /v1/rounds/{round}/secagg.",
+    )
+
+
+class CheckinOut(pydantic.BaseModel):
+    task: TaskOut | None = None
+    retry_after: float | None = pydantic.Field(
+        default=None, description="Seconds to wait before checking in again (no task now)."
+    )
+    finished: bool = pydantic.Field(default=False, description="The population has no more work.")
+
+
+class ReportOut(pydantic.BaseModel):
+    round: int
+    accepted: bool
+    replay: bool = pydantic.Field(description="This report had been accepted before.")
+
+
+class ReportCounts(pydantic.BaseModel):
+    accepted: int
+    refused: dict[str, int] = pydantic.Field(description="Refused uploads and requests by reason.")
+    late: int
+
+
+class ServerInfo(pydantic.BaseModel):
+    version: str
+    public_key: str
+
+
+class StatusOut(pydantic.BaseModel):
+    server: ServerInfo
+    populations: list[PopulationInfo]
+    rounds: list[RoundOut] = pydantic.Field(description="The latest rounds, newest first.")
+    enrollments: int
+    checkins: int
+    assignments: int
+    reports: ReportCounts
+    dropouts: int
+    rounds_closed: int
+    rounds_failed: int

@@ -1,0 +1,113 @@
+"""The task store's SQL, in the two dialects it speaks: SQLite and PostgreSQL.
+
+One schema and one code path: queries are written with `?` parameters, and a `Dialect`
+holds the few differences (parameter style, column types, how a write transaction takes
+its lock, how a table is locked)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sqlite3
+from typing import Any
+
+
+class Dialect:
+    name = ""
+    types = {"blob": "BLOB", "int": "INTEGER", "real": "REAL"}
+    lock_row = ""  # appended to a SELECT of the row a write transaction will change
+
+    def connect(self) -> Any:
+        raise NotImplementedError
+
+    def begin(self, conn: Any, write: bool) -> None:
+        conn.execute("BEGIN")
+
+    def sql(self, query: str) -> str:
+        return query
+
+    def lock_table(self, tx: Tx, table: str) -> None:
+        """Serializes writers of `table` until the transaction ends."""
+
+
+class SQLite(Dialect):
+    name = "sqlite"
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def connect(self) -> Any:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=60)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=60000")
+        return conn
+
+    def begin(self, conn: Any, write: bool) -> None:
+        # A write transaction takes SQLite's write lock at once, so two writers never
+        # both read a round and then both try to change it.
+        conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+class Postgres(Dialect):
+    name = "postgresql"
+    types = {"blob": "BYTEA", "int": "BIGINT", "real": "DOUBLE PRECISION"}
+    lock_row = " FOR UPDATE"
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def connect(self) -> Any:
+        try:
+            import psycopg
+        except ImportError as e:
+            raise ImportError(
+                "A PostgreSQL task store needs psycopg 3: pip install 'fedlang[deploy]'."
+            ) from e
+        return psycopg.connect(self.url, autocommit=True)
+
+    def sql(self, query: str) -> str:
+        return query.replace("?", "%s")
+
+    def lock_table(self, tx: Tx, table: str) -> None:
+        tx.run(f"LOCK TABLE {table} IN SHARE ROW EXCLUSIVE MODE")
+
+
+def dialect(url: str | os.PathLike[str]) -> Dialect:
+    text = str(url)
+    if text.startswith(("postgresql://", "postgres://")):
+        return Postgres(text)
+    if text.startswith("sqlite:///"):
+        text = text[len("sqlite:///") :]
+    elif "://" in text:
+        raise ValueError(
+            f"Expected a database URL (sqlite:///PATH, a file path, or postgresql://...), "
+            f"found {text!r}."
+        )
+    if text != ":memory:":
+        pathlib.Path(text).parent.mkdir(parents=True, exist_ok=True)
+    return SQLite(text)
+
+
+class Tx:
+    """One transaction's connection, with `?` parameters in every dialect."""
+
+    def __init__(self, conn: Any, dialect: Dialect):
+        self.conn = conn
+        self.dialect = dialect
+
+    def run(self, query: str, params: tuple[Any, ...] = ()) -> int:
+        return self.conn.execute(self.dialect.sql(query), params).rowcount
+
+    def one(self, query: str, params: tuple[Any, ...] = ()) -> Any:
+        return self.conn.execute(self.dialect.sql(query), params).fetchone()
+
+    def all(self, query: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        return list(self.conn.execute(self.dialect.sql(query), params).fetchall())
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.run(
+            "INSERT INTO counters (name, value) VALUES (?, ?) ON CONFLICT (name) DO UPDATE"
+            " SET value = counters.value + excluded.value",
+            (name, n),
+        )
