@@ -51,7 +51,7 @@ def main() -> None:
     model = workloads.LOGREG
     process = workloads.build_fedavg(model)
     central = workloads.Centralized(model)
-    with fl.runtime.simulation(strategy=args.strategy):
+    with fl.runtime.simulation_context(strategy=args.strategy):
         state = process.initialize()
         for r in range(2):  # warm-up: compile everything
             cd = [ds.client_batches(i, 20, r, True) for i in ds.sample_cohort(r, args.cohort)]

@@ -59,13 +59,36 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     accuracy = workloads.make_accuracy(model)
     process = workloads.build_fedavg(model)
     central = workloads.Centralized(model) if cfg["centralized"] else None
+    vmapped = None
+    on_cpu = jax.default_backend() == "cpu"
+    if cfg["centralized"] and (cfg.get("vmapped") or (cfg.get("vmapped") is None and (
+        not on_cpu or (cfg["workload"] == "W1" and cfg["cohort"] <= 100)
+    ))):
+        # On CPU the vmapped CNN is minutes a round (XLA:CPU batches convolutions badly),
+        # and W1 at cohort 1,000 tens of seconds (padding to the longest client is computed).
+        vmapped = workloads.VmappedFedAvg(model)
     rss_before = _peak_rss_mib()
+    # XLA compilations in the process, counted here (not by the runtime) so that any
+    # revision is measured the same way.
+    compiles = [0]
+
+    def on_event(event: str, duration_secs: float, **kwargs: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
 
     if cfg["runtime"] == "reference":
         ctx_manager = fl.runtime.reference_context()
     else:
-        ctx_manager = fl.runtime.simulation(strategy=cfg["strategy"])
+        # Options newer than some revisions benchmarked (FEDLANG_REV) are passed only when set.
+        extra = {k: cfg[k] for k in ("vmap_width", "decision_cache") if k in cfg}
+        ctx_manager = fl.runtime.simulation_context(strategy=cfg["strategy"], **extra)
     times: list[float] = []
+    compiled: list[int] = []
+    cpu_times: list[float] = []
+    vm_times: list[float] = []
+    vm_ratios: list[float] = []
     examples: list[int] = []
     cent: dict[str, list[float]] = {"scan": [], "loop": []}
     ratios: list[float] = []
@@ -77,13 +100,20 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
                 client_data: list[Any] = [ds.lazy_client(i, 20, r, model.flat) for i in cohort]
             else:
                 client_data = [ds.client_batches(i, 20, r, model.flat) for i in cohort]
-            t0 = time.perf_counter()
+            compiled_before = compiles[0]
+            c0, t0 = time.process_time(), time.perf_counter()
             new_state, train_loss = process.next(state, client_data)
             dt = time.perf_counter() - t0
+            dcpu = time.process_time() - c0  # all threads: less disturbed by a busy machine
+            n_compiled = compiles[0] - compiled_before
+            if r == 0:
+                first_round_s = dt
+                first_round_examples = sum(ds.num_examples(i) for i in cohort)
             if r < cfg["warmup"]:
                 state = new_state
                 continue
             times.append(dt)
+            cpu_times.append(dcpu)
             examples.append(sum(ds.num_examples(i) for i in cohort))
             if central is not None:
                 batches = [b for c in client_data for b in c]
@@ -91,22 +121,41 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
                     central, state, batches, cent, cfg["centralized_methods"], len(times) == 1
                 )
                 ratios.append(dt / c)
+            if vmapped is not None:
+                groups = vmapped.prepare(state, client_data)  # compiles outside the clock
+                t1 = time.perf_counter()
+                vmapped.run(state, groups)
+                vm_times.append(time.perf_counter() - t1)
+                vm_ratios.append(dt / vm_times[-1])
+            compiled.append(n_compiled)
             state = new_state
             print(
-                f"  round {r}: {dt:.3f} s, {examples[-1]} examples, loss {float(train_loss):.3f}",
+                f"  round {r}: {dt:.3f} s, {examples[-1]} examples, loss {float(train_loss):.3f}, "
+                f"compiled {n_compiled}",
                 file=sys.stderr,
             )
     out: dict[str, Any] = {
         **cfg,
         "round_s": times,
         "median_s": statistics.median(times),
+        "median_cpu_s": statistics.median(cpu_times),
         "examples_per_round": statistics.mean(examples),
         "examples_per_s": sum(examples) / sum(times),
         "accuracy": accuracy(state, test),
         "rounds_total": cfg["warmup"] + cfg["rounds"],
         "rss_before_rounds_mib": rss_before,
         "peak_rss_mib": _peak_rss_mib(),
+        "first_round_s": first_round_s,
+        # Round 1 against a timed round of the same size (rounds differ in examples).
+        "first_round_vs_later": first_round_s
+        / first_round_examples
+        / (sum(times) / sum(examples)),
+        "compilations_per_round": compiled,
+        "rounds_compiled_after_warmup": sum(1 for n in compiled if n),
+        "platform": jax.default_backend(),
     }
+    if vm_times:
+        out.update(vmapped_median_s=statistics.median(vm_times), ratio_vmapped=statistics.median(vm_ratios))
     if central is not None:
         medians = {k: statistics.median(v) for k, v in cent.items() if v}
         best = min(medians, key=medians.__getitem__)
@@ -116,7 +165,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
             centralized_method=best,
             ratio=statistics.median(ratios),
         )
-    if cfg["runtime"] == "simulation":
+    if cfg["runtime"] == "simulation" and hasattr(local_exec, "describe_choices"):
         out["choices"] = [
             {k: (list(v) if isinstance(v, tuple) else v) for k, v in c.items()}
             for c in local_exec.describe_choices(ctx.runner)
@@ -176,7 +225,7 @@ def _block(x: Any) -> None:
 # The plan, the subprocesses, the table
 
 
-def plan(quick: bool, seed: int) -> list[dict[str, Any]]:
+def plan(quick: bool, seed: int, kind: str = "cpu") -> list[dict[str, Any]]:
     def cfg(workload, cohort, strategy, warmup, rounds, runtime="simulation", lazy=False, methods=None):
         return {
             "workload": workload,
@@ -192,6 +241,22 @@ def plan(quick: bool, seed: int) -> list[dict[str, Any]]:
             "test_size": 2000 if quick else 10_000,
         }
 
+    if kind == "gpu":
+        # The GPU table in ~4 minutes: 2 warm-up + 3 timed rounds per configuration.
+        def g(workload, cohort, strategy, **kw):
+            return {**cfg(workload, cohort, strategy, 2, 3), "vmapped": True, "test_size": 2000, **kw}
+
+        # The three targets (auto within 1.3x of the vmapped baseline) first, so that a
+        # run cut short by its time limit still has them.
+        return [
+            g("W1", 100, "auto"),
+            {**g("W1", 1000, "auto"), "warmup": 1, "rounds": 2},
+            g("W2", 100, "auto"),
+            *[g("W1", 100, s) for s in ("loop", "scan", "vmap")],
+            g("W2", 10, "auto"),
+            g("W2", 10, "loop"),
+            g("W2", 100, "vmap"),
+        ]
     if quick:
         return [
             *[cfg("W1", 10, s, 1, 2) for s in ("loop", "scan", "auto")],
@@ -221,6 +286,7 @@ def run_in_subprocess(cfg: dict[str, Any]) -> dict[str, Any]:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"Configuration {cfg} failed:\n{proc.stderr[-4000:]}")
+    sys.stderr.write(proc.stderr[-2000:])  # its rounds and what 'auto' measured
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -240,6 +306,10 @@ def table(results: list[dict[str, Any]]) -> str:
         "examples/s",
         "centralized s (method)",
         "ratio",
+        "vmapped FedAvg s",
+        "ratio to vmapped",
+        "rounds compiled after warm-up",
+        "round 1 s",
         "accuracy",
         "peak RSS MiB (timed)",
         "peak RSS MiB (lazy inputs)",
@@ -261,6 +331,12 @@ def table(results: list[dict[str, Any]]) -> str:
             if has_cent
             else "-",
             f"{r['ratio']:.2f}x" if has_cent else "-",
+            f"{r['vmapped_median_s']:.3f}" if "vmapped_median_s" in r else "-",
+            f"{r['ratio_vmapped']:.2f}x" if "ratio_vmapped" in r else "-",
+            f"{r['rounds_compiled_after_warmup']} of {r['rounds']}"
+            if "rounds_compiled_after_warmup" in r and r["runtime"] == "simulation"
+            else "-",
+            f"{r['first_round_s']:.2f}" if "first_round_s" in r else "-",
             f"{r['accuracy']:.3f}",
             f"{r['peak_rss_mib']:.0f}",
             f"{lazy_rss[(r['workload'], r['cohort'])]:.0f}"
@@ -335,6 +411,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: few rounds, small cohorts")
     parser.add_argument("--out", default=None, help="JSON results file")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plan", choices=["cpu", "gpu"], default="cpu",
+                        help="'gpu': the accelerator table (bench/gpu.sh)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -345,7 +423,7 @@ def main() -> None:
     )
     start = time.perf_counter()
     results = []
-    for cfg in plan(args.quick, args.seed):
+    for cfg in plan(args.quick, args.seed, args.plan):
         t0 = time.perf_counter()
         r = run_in_subprocess(cfg)
         results.append(r)

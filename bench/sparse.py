@@ -61,7 +61,7 @@ def measure(vocab, rows, dense_upload):
     batch = data[0]
     step_args = [table, bias, keys, table, bias, np.float32(0), np.float32(0)]
     step_args += [batch["ids"], batch["counts"], batch["y"], np.ones(BATCH, np.float32)]
-    compiled = jax.jit(work.trace_fn("step")).lower(*step_args).compile()
+    compiled = jax.jit(work.part("step")).lower(*step_args).compile()
     m = compiled.memory_analysis()
     step_bytes = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
     held = table.nbytes + keys.nbytes + update.indices.nbytes + update.values.nbytes

@@ -1,0 +1,148 @@
+"""W2's CNN on CPU: plain JAX against a plain torch loop of the same CNN, batch 20.
+
+The FedAvg paper's CNN (conv5x5x32, maxpool 2, conv5x5x64, maxpool 2, dense 512,
+dense 10) trained with SGD (lr 0.1) over the same batches of 20 examples, one jitted
+step per batch in JAX and one `optimizer.step()` per batch in torch. JAX runs once per
+set of XLA CPU options, each in its own process (XLA reads its flags when it starts),
+so the options that make XLA:CPU's convolutions fast can be found and compared with
+torch (oneDNN underneath) on the same machine and threads.
+
+torch is not a dependency of fedlang: without it the torch row is skipped.
+
+Usage:
+  python bench/cnn_cpu.py                 # every option set, 200 batches each
+  python bench/cnn_cpu.py --batches 100 --variants default,xnnpack
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+VARIANTS = {
+    "default": "",
+    "onednn+no-eigen-threads": "--xla_cpu_use_onednn=true --xla_cpu_multi_thread_eigen=false",
+    "onednn": "--xla_cpu_use_onednn=true",
+    "xnnpack": "--xla_cpu_use_xnnpack=true",
+    "no-eigen-threads": "--xla_cpu_multi_thread_eigen=false",
+    "fast-math": "--xla_cpu_enable_fast_math=true",
+    "legacy-runtime": "--xla_cpu_use_thunk_runtime=false",
+}
+
+
+def batches(n: int, seed: int = 0) -> list[tuple[Any, Any]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.random((20, 28, 28), dtype=np.float32), rng.integers(0, 10, 20).astype(np.int32))
+        for _ in range(n)
+    ]
+
+
+def time_jax(n: int, repeats: int) -> dict[str, Any]:
+    sys.path.insert(0, HERE)
+    import jax
+    import workloads
+
+    step = workloads.sgd_step(workloads.CNN)
+    jitted = jax.jit(lambda p, x, y: step(p, {"x": x, "y": y})[0])
+    params = workloads.CNN.init(jax.random.key(0))
+    data = batches(n)
+    jax.block_until_ready(jitted(params, *data[0]))  # compile
+    times = []
+    for _ in range(repeats):
+        p = params
+        t0 = time.perf_counter()
+        for x, y in data:
+            p = jitted(p, x, y)
+        jax.block_until_ready(p)
+        times.append(time.perf_counter() - t0)
+    return {"s_per_batch": min(times) / n, "runs_s": times}
+
+
+def time_torch(n: int, repeats: int, threads: int) -> dict[str, Any] | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(threads)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 32, 5, padding=2),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(32, 64, 5, padding=2),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(7 * 7 * 64, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 10),
+    )
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    data = [(torch.from_numpy(x)[:, None], torch.from_numpy(y).long()) for x, y in batches(n)]
+
+    def epoch() -> None:
+        for x, y in data:
+            opt.zero_grad()
+            loss_fn(net(x), y).backward()
+            opt.step()
+
+    epoch()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        epoch()
+        times.append(time.perf_counter() - t0)
+    return {"s_per_batch": min(times) / n, "runs_s": times, "torch": torch.__version__}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker in ("torch", "torch-1-thread"):
+        threads = 1 if args.worker == "torch-1-thread" else os.cpu_count() or 1
+        print(json.dumps(time_torch(args.batches, args.repeats, threads)))
+        return
+    if args.worker:
+        print(json.dumps(time_jax(args.batches, args.repeats)))
+        return
+    rows = []
+    for name in ["torch", "torch-1-thread", *args.variants.split(",")]:
+        env = dict(os.environ)
+        if not name.startswith("torch"):
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {VARIANTS[name]}".strip()
+        cmd = [sys.executable, __file__, "--worker", name, "--batches", str(args.batches),
+               "--repeats", str(args.repeats)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            print(f"{name}: failed: {proc.stderr.strip().splitlines()[-1:]}")
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        if r is None:
+            print("torch: not installed, skipped")
+            continue
+        rows.append((name, r))
+        print(f"{name:18s} {r['s_per_batch'] * 1e3:7.2f} ms/batch  "
+              f"(runs {', '.join(f'{t:.2f}' for t in r['runs_s'])} s)", flush=True)
+    base = dict(rows).get("torch")
+    if base:
+        for name, r in rows:
+            if name != "torch":
+                print(f"{name}: {r['s_per_batch'] / base['s_per_batch']:.2f}x torch's time")
+
+
+if __name__ == "__main__":
+    main()
