@@ -243,7 +243,8 @@ def run_async(
       evaluate: `model_weights -> {name: value}`, called at the start and every
         `eval_every` server steps; its result is in `metrics['eval']`.
       eval_every: see `evaluate`.
-      max_time: stop at the first server step at or past this virtual time.
+      max_time: stop at the first server step at or past this virtual time (or at
+        the first event past it).
       stop: `record -> bool`, called on each record; True stops the run.
 
     Returns:
@@ -309,6 +310,8 @@ def run_async(
             raise RuntimeError("The async simulation ran out of events with clients idle; "
                                "this is a bug in run_async.")
         t, events = queue.pop_simultaneous()
+        if max_time is not None and t > max_time:
+            break  # no server step reached max_time (every report refused, or none due)
         restarts = 0
         for job in events:
             restarts += 1
