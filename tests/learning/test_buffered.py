@@ -188,3 +188,19 @@ def test_reports_and_state_cross_the_wire_format():
     direct, _ = buff.apply(direct)
     np.testing.assert_allclose(flat(buff.get_model_weights(s2)),
                                flat(buff.get_model_weights(direct)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: model_update_aggregator.robust_aggregator(),
+    lambda: model_update_aggregator.robust_aggregator(weighted=False),
+])
+def test_robust_and_unweighted_aggregators_apply_per_buffer(make):
+    buff = fed_buff(buffer_size=2, model_aggregator=make())
+    s = buff.initialize()
+    w, v = buff.client_model(s)
+    for ds in client_data(2):
+        s = buff.fold(s, buff.train(w, ds), v)
+    s, metrics = buff.apply(s)
+    assert int(s.version) == 1 and metrics["aggregator"]  # the adaptive norms' measurements
+    assert np.all(np.isfinite(flat(buff.get_model_weights(s))))
+    assert not np.allclose(flat(buff.get_model_weights(s)), flat(models.ModelWeights(W0, ())))
