@@ -15,11 +15,11 @@ run bit for bit: which client starts, and how long it takes, are counter-based d
 (`clock.rng`).
 
 Speed: clients run on the current runtime (the simulation runtime by default) in
-groups, never one at a time. All clients that start from the same model version are
-trained together, in one `federated_map` call, when the first of their reports is
-needed (by then, as soon as the version is stale, every client that will ever start
-from it has started). With concurrency `C` and buffer `K`, a group is about `K`
-clients; a synchronous round is one group of its cohort.
+groups, never one at a time. A client's training is deferred until its report is
+needed (when it finishes on the virtual clock); then every client started and not yet
+trained is trained in one `federated_map` call: with the model broadcast when they all
+started from one version, else with each client's own model version as a CLIENTS
+value. A synchronous round is one call over its cohort.
 
 Layering: this module imports only `core` and `simulation`; the processes it drives
 are described by the Protocols `BufferedProcess` and `SyncProcess`, which
@@ -163,24 +163,40 @@ def _check_common(client_times: Any, availability: Any, eval_every: int) -> None
     _check_count("eval_every", eval_every, 1)
 
 
-_TRAIN_MANY: dict[int, tuple[computation.Computation, computation.Computation]] = {}
+_TRAIN_MANY: dict[tuple[int, bool], tuple[computation.Computation, computation.Computation]] = {}
 
 
-def train_many(train: computation.Computation) -> computation.Computation:
-    """`(weights@SERVER, {dataset}@CLIENTS) -> {report}@CLIENTS`: `train` mapped over
-    a group of clients that start from the same weights (one runtime call)."""
-    cached = _TRAIN_MANY.get(id(train))
+def train_many(train: computation.Computation, per_client_weights: bool = False
+               ) -> computation.Computation:
+    """`train` mapped over a group of clients in one runtime call.
+
+    Args:
+      train: a local computation `(weights, dataset) -> report`.
+      per_client_weights: False: `(weights@SERVER, {dataset}@CLIENTS) ->
+        {report}@CLIENTS` (every client starts from the same weights, broadcast);
+        True: `({weights}@CLIENTS, {dataset}@CLIENTS) -> {report}@CLIENTS`.
+    """
+    key = (id(train), per_client_weights)
+    cached = _TRAIN_MANY.get(key)
     if cached is not None and cached[0] is train:
         return cached[1]
     param = cast(types.StructType, train.type_signature.parameter)
     weights_t, data_t = param.types
+    if per_client_weights:
 
-    @tracing.federated_computation(types.type_at_server(weights_t), types.type_at_clients(data_t))
-    def train_group(weights, datasets):
-        return operators.federated_map(
-            train, (operators.federated_broadcast(weights), datasets))
+        @tracing.federated_computation(types.type_at_clients(weights_t),
+                                       types.type_at_clients(data_t))
+        def train_group(weights, datasets):
+            return operators.federated_map(train, (weights, datasets))
+    else:
 
-    _TRAIN_MANY[id(train)] = (train, train_group)
+        @tracing.federated_computation(types.type_at_server(weights_t),
+                                       types.type_at_clients(data_t))
+        def train_group(weights, datasets):
+            return operators.federated_map(
+                train, (operators.federated_broadcast(weights), datasets))
+
+    _TRAIN_MANY[key] = (train, train_group)
     return train_group
 
 
@@ -260,14 +276,14 @@ def run_async(
     num_steps = _check_count("num_steps", num_steps, 0)
     client_times = clock.ClientTimes() if client_times is None else client_times
     _check_common(client_times, availability, eval_every)
-    group_fn = train_many(process.train)
+    same_weights, own_weights = train_many(process.train), train_many(process.train, True)
     speeds = client_times.speeds(seed, n)
 
     run = _Run(process, evaluate, eval_every, stop)
     state = process.initialize()
     queue = clock.EventQueue()
     busy = np.zeros(n, bool)
-    untrained: dict[int, list[_Job]] = {}  # version -> started jobs not yet trained
+    untrained: list[_Job] = []             # started jobs not yet trained, in start order
     weights: dict[int, Any] = {}           # version -> the weights its clients downloaded
     in_flight: dict[int, int] = {}         # version -> jobs started from it, not yet folded
     starts = 0
@@ -290,15 +306,22 @@ def run_async(
         model, version = process.client_model(state)
         weights.setdefault(version, model)
         job = _Job(client, version, t)
-        untrained.setdefault(version, []).append(job)
+        untrained.append(job)
         in_flight[version] = in_flight.get(version, 0) + 1
         busy[client] = True
         queue.push(t + duration, job)
 
-    def train(job: _Job) -> None:
-        group = untrained.pop(job.version)
+    def train() -> None:
+        # every client started so far and not trained yet, in one runtime call
+        group = list(untrained)
+        untrained.clear()
         datasets = [_dataset(client_data, ids[j.client]) for j in group]
-        for j, report in zip(group, group_fn(weights[job.version], datasets), strict=True):
+        versions = {j.version for j in group}
+        if len(versions) == 1:
+            reports = same_weights(weights[group[0].version], datasets)
+        else:
+            reports = own_weights([weights[j.version] for j in group], datasets)
+        for j, report in zip(group, reports, strict=True):
             j.report = report
         run.history.train_calls += 1
 
@@ -318,7 +341,7 @@ def run_async(
             if job is None or stopped or step >= num_steps:
                 continue
             if job.report is None:
-                train(job)
+                train()
             busy[job.client] = False
             refused = process.status(state)["refused_stale"]
             state = process.fold(state, job.report, job.version)
