@@ -6,6 +6,7 @@ computations), so every piece can be replaced by user code. See docs/learning.md
 
 from fedlang.core import traffic as traffic
 from fedlang.learning import algorithms as algorithms
+from fedlang.learning import buffered as buffered
 from fedlang.learning import client_works as client_works
 from fedlang.learning import composers as composers
 from fedlang.learning import distributors as distributors
@@ -19,6 +20,10 @@ from fedlang.learning import non_trainable as non_trainable
 from fedlang.learning import optimizers as optimizers
 from fedlang.learning import sparse as sparse
 from fedlang.learning import templates as templates
+from fedlang.learning.buffered import BufferedLearningProcess as BufferedLearningProcess
+from fedlang.learning.buffered import (
+    compose_buffered_learning_process as compose_buffered_learning_process,
+)
 from fedlang.learning.model_update_aggregator import (
     compression_aggregator as compression_aggregator,
 )

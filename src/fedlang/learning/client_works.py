@@ -172,7 +172,10 @@ def build_client_work_process(
         current = dict(state["optimizer_hparams"])
         return {**state, "optimizer_hparams": optimizers.check_hparams(current, hparams, "client")}
 
-    return learning_templates.ClientWorkProcess(initialize, next_fn, get_hparams, set_hparams)
+    return learning_templates.ClientWorkProcess(
+        initialize, next_fn, get_hparams, set_hparams,
+        client_fn=client_fn, measure=lambda outputs: measurements(model, outputs),
+    )
 
 
 def _train_loss(model: model_lib.Model, non_trainable: Any, x: Any, y: Any, mask: Any) -> Callable:

@@ -88,7 +88,34 @@ class DistributionProcess(_PartProcess):
 
 class ClientWorkProcess(_PartProcess):
     """`next(state, weights@CLIENTS, data@CLIENTS) -> MeasuredProcessOutput(state,
-    {ClientResult}@CLIENTS, metrics@SERVER)`."""
+    {ClientResult}@CLIENTS, metrics@SERVER)`.
+
+    Client work built by `client_works.build_client_work_process` also carries its
+    client side on its own, which buffered (asynchronous) processes run one client at
+    a time (`fedlang.learning.buffered`):
+
+    * `client_fn(weights, client_state, dataset) -> output`: the JAX function each
+      client runs (an `output` dict holds `update`, `update_weight`,
+      `non_trainable`, and the client's metric statistics);
+    * `measure(outputs@CLIENTS) -> metrics@SERVER`: traced inside a federated
+      computation, the metrics of a group of clients' outputs.
+
+    Both are None for client work that does not provide them.
+    """
+
+    def __init__(
+        self,
+        initialize_fn: computation.Computation,
+        next_fn: computation.Computation,
+        get_hparams_fn: Callable[[Any], Any] | None = None,
+        set_hparams_fn: Callable[[Any, Any], Any] | None = None,
+        *,
+        client_fn: Callable[[Any, Any, Any], Any] | None = None,
+        measure: Callable[[Any], Any] | None = None,
+    ):
+        super().__init__(initialize_fn, next_fn, get_hparams_fn, set_hparams_fn)
+        self.client_fn = client_fn
+        self.measure = measure
 
 
 class FinalizerProcess(_PartProcess):

@@ -6,6 +6,7 @@ from fedlang.learning.algorithms.fed_avg import build_fed_prox as build_fed_prox
 from fedlang.learning.algorithms.fed_avg import build_fed_yogi as build_fed_yogi
 from fedlang.learning.algorithms.fed_avg import build_unweighted_fed_avg as build_unweighted_fed_avg
 from fedlang.learning.algorithms.fed_avg import build_weighted_fed_avg as build_weighted_fed_avg
+from fedlang.learning.algorithms.fed_buff import build_fed_buff as build_fed_buff
 from fedlang.learning.algorithms.fed_eval import build_fed_eval as build_fed_eval
 from fedlang.learning.algorithms.fed_sgd import build_fed_sgd as build_fed_sgd
 from fedlang.learning.algorithms.mime import build_mime_lite as build_mime_lite
