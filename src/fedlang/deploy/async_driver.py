@@ -36,6 +36,8 @@ class BufferedProcess(Protocol):
 
     train: Any  # a local computation (model_weights, dataset) -> report
     report_type: Any
+    buffer_size: int  # K, reports per server step
+    max_staleness: int  # reports staler than this are refused
 
     def initialize(self) -> Any: ...
 
@@ -69,10 +71,6 @@ class BufferedDriver:
       url: the server.
       admin_token: its admin token.
       population: the population whose clients train.
-      buffer_size: K, the reports per server step (the process's; the server refuses
-        uploads beyond it until the step is applied).
-      max_staleness: reports more versions behind than this are refused by the server
-        (the process's bound).
       data_name: the client dataset `train` reads.
       session: resume this session (default: the one made for `request_id`, or a new one).
       request_id: names the session, so a restarted driver resumes it.
@@ -87,8 +85,6 @@ class BufferedDriver:
         admin_token: str,
         population: str,
         *,
-        buffer_size: int,
-        max_staleness: int,
         data_name: str = "train",
         session: int | None = None,
         request_id: str | None = None,
@@ -101,7 +97,10 @@ class BufferedDriver:
         self.token = admin_token
         self.population = population
         self.plan = async_plan.BufferedPlan.build(process.train, data_name)
-        self.buffer_size, self.max_staleness = buffer_size, max_staleness
+        # The server enforces the process's bounds: it refuses stale reports (the client
+        # is told) and holds at most K unapplied reports, so every report it accepts is
+        # one the process folds into the current buffer.
+        self.buffer_size, self.max_staleness = process.buffer_size, process.max_staleness
         self.request_id = request_id or uuid.uuid4().hex
         self.session_id = session
         self.state: Any = None
@@ -187,10 +186,17 @@ class BufferedDriver:
         if pending >= self.buffer_size and not self.process.is_full(self.state):
             raise RuntimeError(
                 f"The server holds {pending} reports for this buffer (its buffer size is "
-                f"{self.buffer_size}) but the process's buffer is not full; give the driver "
-                "the process's buffer size and maximum staleness."
+                f"{self.buffer_size}) but the process's buffer is not full; was session "
+                f"{self.session_id} made for another process?"
             )
         return folded
+
+    def poll(self) -> int:
+        """Folds the reports accepted since the last fold (applying and publishing each
+        full buffer), without waiting; returns how many it folded."""
+        if self.state is None:
+            self.start()
+        return self._fold_new(self.session())
 
     def _apply(self) -> None:
         start = time.perf_counter()
