@@ -108,7 +108,10 @@ class BufferedDriver:
         self.folded_through = 0  # the last report folded into `state`
         self.applied_through = 0  # the last report applied into a published version
         self.steps: list[Step] = []
-        self.refolded = 0  # reports folded again when resuming (the rebuilt buffer)
+        # Where `start` found the session: (version, last applied report); the reports
+        # after it were folded again (`refolded` of them, with any new arrivals).
+        self.resumed: tuple[int, int] | None = None
+        self.refolded = 0
 
     # -- requests
 
@@ -159,6 +162,7 @@ class BufferedDriver:
                 f"found version {own}; was session {self.session_id} made by another process?"
             )
         self.folded_through = self.applied_through = int(s["applied_through"])
+        self.resumed = (self.version, self.applied_through)
         self.refolded = self._fold_new(s)
         return s
 
