@@ -148,21 +148,21 @@ def run(steps: int = 30, num_clients: int = 20, buffer_size: int = 10, max_stale
     work = pathlib.Path(workdir or tempfile.mkdtemp(prefix="fedlang-fedbuff-"))
     files, test = write_clients(work, num_clients)
     process = build_process(buffer_size, max_staleness)
-    with deploy.Server(db=work / "store.db", port=0, pace=deploy.Pace(min_retry=0.1)) as server:
-        with deploy.Admin(server.url, server.admin_token) as admin:
-            token = admin.create_population("digits")
-            if verbose:
-                print(f"server {server.url}; {num_clients} clients; K={buffer_size}; data and "
-                      f"logs in {work}", flush=True)
-            with client_processes(server.url, token, files, max_delay, work) as procs, \
-                    async_driver.BufferedDriver(process, server.url, server.admin_token,
-                                                "digits", request_id=SESSION) as driver:
-                history = drive(driver, steps, test, verbose, target, timeout)
-                driver.close_session()
-                admin.finish_population("digits")  # the clients stop at their next check-in
-                for p in procs:
-                    p.wait(timeout=120)
-            status = server.app_state.status()
+    with deploy.Server(db=work / "store.db", port=0, pace=deploy.Pace(min_retry=0.1)) as server, \
+            deploy.Admin(server.url, server.admin_token) as admin:
+        token = admin.create_population("digits")
+        if verbose:
+            print(f"server {server.url}; {num_clients} clients; K={buffer_size}; data and "
+                  f"logs in {work}", flush=True)
+        with client_processes(server.url, token, files, max_delay, work) as procs, \
+                async_driver.BufferedDriver(process, server.url, server.admin_token,
+                                            "digits", request_id=SESSION) as driver:
+            history = drive(driver, steps, test, verbose, target, timeout)
+            driver.close_session()
+            admin.finish_population("digits")  # the clients stop at their next check-in
+            for p in procs:
+                p.wait(timeout=120)
+        status = server.app_state.status()
     return {"state": driver.state, "process": process, "accuracy": history,
             "status": status, "driver": driver}
 

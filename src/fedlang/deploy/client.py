@@ -16,6 +16,11 @@ ever leave it masked; its plain report travels with its masked input. The protoc
 keys live in memory only: a client that restarts mid-round has left that round (a
 dropout, which the protocol handles) and waits for the next one.
 
+A task of a buffered (asynchronous, FedBuff) session (`kind` "buffered") names a model
+version: the client verifies the session's plan (`async_plan.BufferedPlan`), trains it
+on its data from that version's weights and uploads the raw report for that version; a
+refusal as stale is logged, and the client checks in for the current version.
+
 A client's data are given by name (`data={"train": ...}`), each as a dataset (any
 iterable of batches of the type the task expects, e.g. a `fedlang.simulation` dataset)
 or as the path of an `.npz` file: its arrays (e.g. `x` and `y`, in the file's order)
