@@ -133,6 +133,7 @@ def test_fold_is_pure_and_checks_its_arguments():
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"buffer_size": 0}, ValueError, "buffer_size to be an int >= 1"),
     ({"max_staleness": -1}, ValueError, "max_staleness to be an int >= 0"),
+    ({"max_staleness": 10**6}, ValueError, "max_staleness <= 10000"),
     ({"staleness_weight": 0.5}, ValueError, "function of the staleness"),
     ({"model_aggregator": "mean"}, TypeError, "aggregation factory"),
     ({"model_aggregator": model_update_aggregator.secure_aggregator()}, ValueError,
@@ -163,3 +164,43 @@ def test_polynomial_staleness():
     assert buffered.polynomial_staleness(0.0)(7) == 1.0
     with pytest.raises(ValueError, match="exponent >= 0"):
         buffered.polynomial_staleness(-1)
+
+
+def test_reports_and_state_cross_the_wire_format():
+    # A deployment ships `train` to a client and its report back as bytes, and
+    # persists the state: both must survive the binary format and still fold.
+    from fedlang.core import serialization
+
+    buff = fed_buff(buffer_size=2)
+    s0 = buff.initialize()
+    w, v = buff.client_model(s0)
+    remote_train = serialization.deserialize_computation(
+        serialization.serialize_computation(buff.train))
+    report = remote_train(w, client_data(1)[0])
+    wire = serialization.deserialize_value(
+        serialization.serialize_value(report, buff.report_type), expected_type=buff.report_type)
+    s1 = buff.fold(s0, wire, v)
+    restored = serialization.deserialize_value(serialization.serialize_value(s1))
+    s2 = buff.fold(restored, buff.train(w, client_data(2)[1]), v)
+    s2, _ = buff.apply(s2)
+    direct = buff.fold(buff.fold(s0, buff.train(w, client_data(1)[0]), v),
+                       buff.train(w, client_data(2)[1]), v)
+    direct, _ = buff.apply(direct)
+    np.testing.assert_allclose(flat(buff.get_model_weights(s2)),
+                               flat(buff.get_model_weights(direct)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: model_update_aggregator.robust_aggregator(),
+    lambda: model_update_aggregator.robust_aggregator(weighted=False),
+])
+def test_robust_and_unweighted_aggregators_apply_per_buffer(make):
+    buff = fed_buff(buffer_size=2, model_aggregator=make())
+    s = buff.initialize()
+    w, v = buff.client_model(s)
+    for ds in client_data(2):
+        s = buff.fold(s, buff.train(w, ds), v)
+    s, metrics = buff.apply(s)
+    assert int(s.version) == 1 and metrics["aggregator"]  # the adaptive norms' measurements
+    assert np.all(np.isfinite(flat(buff.get_model_weights(s))))
+    assert not np.allclose(flat(buff.get_model_weights(s)), flat(models.ModelWeights(W0, ())))

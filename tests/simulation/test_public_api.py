@@ -11,6 +11,7 @@ PUBLIC = {
     "from_leaf", "from_numpy", "from_pandas", "from_sqlite", "partitioners", "sampling", "store",
     "train_test_client_split", "CheckpointError", "CheckpointMismatchError", "TrainingResult",
     "checkpoint", "derive_seed", "inspection", "plots", "run_training", "writers",
+    "async_sim", "clock", "run_async", "run_sync",
 }
 
 
@@ -23,7 +24,7 @@ def test_public_names_and_nothing_else():
         assert getattr(sim, name) is not None
 
 
-@pytest.mark.parametrize("module", ["dataset", "client_data", "sampling"])
+@pytest.mark.parametrize("module", ["dataset", "client_data", "sampling", "clock"])
 def test_docstring_examples_run(module):
     mod = importlib.import_module(f"fedlang.simulation.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)

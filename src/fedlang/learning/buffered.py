@@ -50,6 +50,9 @@ from fedlang.learning.models import model as model_lib
 
 StalenessWeight = Callable[[int], float]
 
+# The largest max_staleness: the state holds a histogram of max_staleness + 1 counts.
+MAX_STALENESS_LIMIT = 10_000
+
 
 def polynomial_staleness(exponent: float = 0.5) -> StalenessWeight:
     """`tau -> (1 + tau) ** -exponent`; the default (0.5) is FedBuff's `1/sqrt(1+tau)`.
@@ -381,6 +384,12 @@ def compose_buffered_learning_process(
     """
     k = _check_int("buffer_size", buffer_size, 1)
     max_tau = _check_int("max_staleness", max_staleness, 0)
+    if max_tau > MAX_STALENESS_LIMIT:
+        raise ValueError(
+            f"Expected max_staleness <= {MAX_STALENESS_LIMIT} (the state keeps a histogram "
+            f"with one count per staleness), found {max_tau}; {MAX_STALENESS_LIMIT} versions "
+            "is as good as unbounded."
+        )
     weight_fn = default_staleness_weight if staleness_weight is None else staleness_weight
     if not callable(weight_fn):
         raise ValueError(

@@ -1,8 +1,11 @@
 """Client data for simulation: lazy datasets, an on-disk store, readers, partitioners,
-client samplers, and the experiment driver with its metrics writers and checkpoints.
-See docs/data.md."""
+client samplers, and the experiment driver with its metrics writers and checkpoints;
+the virtual-clock simulation of asynchronous (FedBuff) and synchronous training
+(`clock`, `async_sim`: `run_async`, `run_sync`). See docs/data.md and docs/learning.md."""
 
+from fedlang.simulation import async_sim as async_sim
 from fedlang.simulation import checkpoint as checkpoint
+from fedlang.simulation import clock as clock
 from fedlang.simulation import datasets as datasets
 from fedlang.simulation import formats as formats
 from fedlang.simulation import inspection as inspection
@@ -11,6 +14,8 @@ from fedlang.simulation import plots as plots
 from fedlang.simulation import sampling as sampling
 from fedlang.simulation import store as store
 from fedlang.simulation import writers as writers
+from fedlang.simulation.async_sim import run_async as run_async
+from fedlang.simulation.async_sim import run_sync as run_sync
 from fedlang.simulation.checkpoint import CheckpointError as CheckpointError
 from fedlang.simulation.checkpoint import CheckpointMismatchError as CheckpointMismatchError
 from fedlang.simulation.client_data import ClientData as ClientData
