@@ -33,7 +33,7 @@ import pydantic
 from starlette import concurrency
 
 from fedlang.core import serialization, signing
-from fedlang.deploy import async_plan, async_store, protocol, schemas
+from fedlang.deploy import aggregation, async_plan, async_store, protocol, schemas
 from fedlang.deploy import server as server_lib
 
 SessionId = Annotated[int, fastapi.Path(ge=1, le=2**62, description="The session's id.")]
@@ -164,9 +164,8 @@ async def upload(
             return False
         try:
             await concurrency.run_in_threadpool(plan.check, data)
-        except Exception as e:  # aggregation.ReportError: a 400 with its reason
-            reason = getattr(e, "reason", "malformed")
-            raise protocol.BadRequest(str(e), reason=reason) from e
+        except aggregation.ReportError as e:
+            raise protocol.BadRequest(str(e), reason=e.reason) from e
         return await concurrency.run_in_threadpool(
             app.sessions.accept, session_id, client_id, version, digest, data
         )
