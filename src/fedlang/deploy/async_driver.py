@@ -147,6 +147,7 @@ class BufferedDriver:
             })
             self.session_id = s["id"]
         s = self.session()
+        self._check_plan(s["plan"])
         if s["server_state"]:
             blob = self.connection.request(
                 "GET", f"{protocol.API}/blobs/{s['server_state']}", token=self.token
@@ -165,6 +166,24 @@ class BufferedDriver:
         self.resumed = (self.version, self.applied_through)
         self.refolded = self._fold_new(s)
         return s
+
+    def _check_plan(self, signed_hash: str) -> None:
+        """Refuses to resume a session whose clients train another model."""
+        key = base64.b64decode(self._json("GET", "/status")["server"]["public_key"])
+        blob = self.connection.request(
+            "GET", f"{protocol.API}/blobs/{signed_hash}", token=self.token
+        ).content
+        theirs = async_plan.load(blob, key)
+        ours = self.plan
+        if (theirs.weights_type, theirs.report_type, theirs.data_name) != (
+            ours.weights_type, ours.report_type, ours.data_name
+        ):
+            raise ValueError(
+                f"Expected session {self.session_id} to train this process's model "
+                f"({ours.weights_type} -> {ours.report_type} on {ours.data_name!r}), found "
+                f"({theirs.weights_type} -> {theirs.report_type} on {theirs.data_name!r}); "
+                "use another request_id for another process."
+            )
 
     # -- the loop
 

@@ -306,12 +306,12 @@ class Sessions:
             )
             if held is not None and held[0] != "assigned":
                 return None
-            if held is None:
-                tx.run(
-                    "INSERT INTO async_tasks (session, client, version, state, assigned)"
-                    " VALUES (?, ?, ?, 'assigned', ?)",
-                    (s.id, client_id, s.version, now),
-                )
+            # (a concurrent check-in of the same client inserts nothing)
+            if held is None and tx.run(
+                "INSERT INTO async_tasks (session, client, version, state, assigned)"
+                " VALUES (?, ?, ?, 'assigned', ?) ON CONFLICT DO NOTHING",
+                (s.id, client_id, s.version, now),
+            ):
                 tx.count("assignments")
             return AsyncTask(s.id, s.plan, s.weights, s.version)
 
