@@ -163,3 +163,34 @@ def test_the_driver_ships_train_as_a_signed_plan(setting):
     assert plan.report_type == process.report_type
     assert plan.weights_type == process.model_weights_type
     assert isinstance(process.client_model(process.initialize())[0], model_lib.ModelWeights)
+
+
+
+def _bias_only():
+    """A digits model without its weight matrix (another model type)."""
+    import jax.numpy as jnp
+
+    from fedlang.learning import models
+
+    return models.FunctionalModel(
+        init_fn=lambda rng: {"b": jnp.zeros([10])},
+        apply_fn=lambda p, x: jnp.zeros([x.shape[0], 10]) + p["b"],
+        loss_fn=lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(
+            logits, y).mean(),
+        input_spec=_digits().SPEC,
+    )
+
+
+def test_a_driver_of_another_model_does_not_resume_the_session(server_factory, setting):
+    process, _ = setting
+    server = server_factory()
+    with deploy.Admin(server.url, server.admin_token) as admin:
+        admin.create_population("digits")
+    with async_driver.BufferedDriver(process, server.url, server.admin_token, "digits",
+                                     request_id="s") as first:
+        first.start()
+    other = algorithms.build_fed_buff(_bias_only, optax.sgd(0.1), buffer_size=2, max_staleness=2)
+    with async_driver.BufferedDriver(other, server.url, server.admin_token, "digits",
+                                     request_id="s") as second, \
+            pytest.raises(ValueError, match="another request_id"):
+        second.start()
