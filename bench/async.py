@@ -15,9 +15,10 @@ Runs (each until the target test accuracy, or the step limit):
 
 It prints, per run: virtual time to the target, server steps and client updates used
 (and discarded: past the deadline or quorum, or too stale) to get there, and the
-simulator's speed: client trainings simulated per second of real time, measured on a
-separate run of the same number of trainings without evaluation, after a warm-up run
-that compiles the programs (sync rounds train only the reports they use).
+simulator's speed: client trainings simulated per second of real time, measured on
+separate runs of the same number of trainings without evaluation, after a warm-up run
+that compiles the programs, the three interleaved three times (median; sync rounds
+train only the reports they use).
 
 Usage:
   python bench/async.py            # the full run
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from typing import Any
@@ -113,34 +115,47 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         run(3 * args.cohort // per_step, client_times=times, seed=args.seed + 1)
         h = run(args.max_updates // per_step, **common)
         last = h[-1]
-        # the simulator's speed: the same number of client trainings, without evaluation
-        start = time.perf_counter()
-        s = run(args.speed_updates // per_step, client_times=times, seed=args.seed + 2)
-        wall = time.perf_counter() - start
-        # sync rounds train only the reports they use; FedBuff also trains refused ones
-        trained = s[-1].client_updates + (s[-1].discarded if is_async else 0)
         rows.append({
             "run": name, "target": args.target, "time_to_target": h.time_to("accuracy", args.target),
             "steps": last.step, "updates": last.client_updates, "discarded": last.discarded,
             "accuracy": last.metrics["eval"]["accuracy"], "virtual_time": last.time,
-            "speed_wall_s": wall, "updates_per_s": trained / wall,
-            "runtime_calls_per_100": 100 * s.train_calls / trained,
+            "speeds": [], "runtime_calls_per_100": 0.0,
         })
         print(f"  {name}: {rows[-1]}", file=sys.stderr, flush=True)
+    # The simulator's speed: the same number of client trainings, without evaluation,
+    # the runs interleaved `repeats` times (the machine is shared and noisy): medians.
+    for rep in range(args.repeats):
+        for row, (name, run) in zip(rows, runs, strict=True):
+            is_async = name.startswith("FedBuff")
+            per_step = args.buffer_size if is_async else args.cohort
+            start = time.perf_counter()
+            s = run(args.speed_updates // per_step, client_times=times, seed=args.seed + 2 + rep)
+            wall = time.perf_counter() - start
+            # sync rounds train only the reports they use; FedBuff also trains refused ones
+            trained = s[-1].client_updates + (s[-1].discarded if is_async else 0)
+            row["speeds"].append(trained / wall)
+            row["runtime_calls_per_100"] = 100 * s.train_calls / trained
+    for row in rows:
+        row["updates_per_s"] = statistics.median(row["speeds"])
+    base = rows[0]["updates_per_s"]
+    for row in rows:
+        row["speed_ratio"] = row["updates_per_s"] / base
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| run | time to target (virtual s) | server steps | client updates used | "
-        "discarded | final accuracy | simulated updates / real s | training calls / 100 updates |",
-        "|---|---|---|---|---|---|---|---|",
+        "discarded | final accuracy | simulated updates / real s (median) | vs sync FedAvg | "
+        "training calls / 100 updates |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t = "not reached" if r["time_to_target"] is None else f"{r['time_to_target']:.1f}"
         lines.append(
             f"| {r['run']} | {t} | {r['steps']} | {r['updates']} | {r['discarded']} | "
-            f"{r['accuracy']:.3f} | {r['updates_per_s']:.0f} | {r['runtime_calls_per_100']:.0f} |")
+            f"{r['accuracy']:.3f} | {r['updates_per_s']:.0f} | {r['speed_ratio']:.2f} | "
+            f"{r['runtime_calls_per_100']:.0f} |")
     return "\n".join(lines)
 
 
@@ -155,6 +170,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args.target = 0.6 if args.quick else 0.76
     args.max_updates = 1000 if args.quick else 10000  # per run, unless the target is reached
     args.speed_updates = 300 if args.quick else 1000
+    args.repeats = 1 if args.quick else 3
     print(f"W1, {args.clients} clients, target accuracy {args.target}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
           file=sys.stderr)

@@ -46,6 +46,7 @@ def test_event_queue_orders_by_time_then_push_order():
     q = clock.EventQueue()
     for t, e in [(2.0, "a"), (1.0, "b"), (2.0, "c"), (1.0, "d")]:
         q.push(t, e)
+    assert [q.nth_time(k) for k in (1, 2, 3, 4, 5)] == [1.0, 1.0, 2.0, 2.0, float("inf")]
     assert q.pop_simultaneous() == (1.0, ["b", "d"])
     assert q.pop_simultaneous() == (2.0, ["a", "c"])
     assert len(q) == 0

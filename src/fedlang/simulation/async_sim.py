@@ -43,7 +43,11 @@ Evaluate = Callable[[Any], Mapping[str, Any]]
 
 
 class BufferedProcess(Protocol):
-    """What `run_async` uses of a buffered process (`fedlang.learning.BufferedLearningProcess`)."""
+    """What `run_async` uses of a buffered process (`fedlang.learning.BufferedLearningProcess`).
+
+    `status(state)` must hold the ints `'buffer_size'`, `'buffer_fill'` and
+    `'refused_stale'`.
+    """
 
     train: computation.Computation
 
@@ -229,6 +233,7 @@ class _Job:
     client: int
     version: int
     start: float
+    end: float
     report: Any = None
 
 
@@ -305,16 +310,21 @@ def run_async(
         starts += 1
         model, version = process.client_model(state)
         weights.setdefault(version, model)
-        job = _Job(client, version, t)
+        job = _Job(client, version, t, t + duration)
         untrained.append(job)
         in_flight[version] = in_flight.get(version, 0) + 1
         busy[client] = True
         queue.push(t + duration, job)
 
-    def train() -> None:
-        # every client started so far and not trained yet, in one runtime call
-        group = list(untrained)
-        untrained.clear()
+    def train(job: _Job, pending_now: int) -> None:
+        # Every client started and not trained yet, in one runtime call, except those
+        # finishing after the last report the run can still use (at most the reports
+        # left to fill `num_steps` buffers; refusals may need more: trained when due).
+        status = process.status(state)
+        needed = (num_steps - step) * int(status["buffer_size"]) - int(status["buffer_fill"])
+        horizon = job.end if needed <= pending_now else queue.nth_time(needed - pending_now)
+        group = [j for j in untrained if j is job or j.end <= horizon]
+        untrained[:] = [j for j in untrained if not (j is job or j.end <= horizon)]
         datasets = [_dataset(client_data, ids[j.client]) for j in group]
         versions = {j.version for j in group}
         if len(versions) == 1:
@@ -336,12 +346,12 @@ def run_async(
         if max_time is not None and t > max_time:
             break  # no server step reached max_time (every report refused, or none due)
         restarts = 0
-        for job in events:
+        for i, job in enumerate(events):
             restarts += 1
             if job is None or stopped or step >= num_steps:
                 continue
             if job.report is None:
-                train()
+                train(job, len(events) - i)
             busy[job.client] = False
             refused = process.status(state)["refused_stale"]
             state = process.fold(state, job.report, job.version)

@@ -247,6 +247,14 @@ class EventQueue:
         self._seq += 1
         return seq
 
+    def nth_time(self, k: int) -> float:
+        """The time of the `k`-th earliest pending event (1-based), inf if fewer are pending."""
+        if k < 1:
+            raise ValueError(f"Expected k >= 1, found {k}.")
+        if k > len(self._heap):
+            return math.inf
+        return heapq.nsmallest(k, self._heap)[-1][0]
+
     def pop_simultaneous(self) -> tuple[float, list[Any]]:
         """The earliest time and every event at exactly that time, in push order.
 
