@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -42,8 +43,19 @@ from fedlang import deploy
 from fedlang.deploy import async_driver, client, protocol
 from fedlang.learning import algorithms
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import deploy_digits
+
+def _sibling(name: str) -> Any:
+    """Another example script of this directory, as a module."""
+    path = pathlib.Path(__file__).resolve().parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+deploy_digits = _sibling("deploy_digits")  # the model, the data split and the accuracy
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 SESSION = "digits-fedbuff"  # the driver's request id: a restarted driver resumes this session
