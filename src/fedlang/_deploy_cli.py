@@ -192,7 +192,26 @@ def status_tables(doc: dict[str, Any]) -> Table:
         )
     outer.add_row(counts)
     outer.add_row(rounds)
+    if doc.get("sessions"):
+        outer.add_row(session_table(doc["sessions"]))
     return outer
+
+
+def session_table(sessions: list[dict[str, Any]]) -> Table:
+    """The buffered (FedBuff) sessions: version, buffer fill n/K, staleness histogram
+    of accepted reports (staleness: count), refused stale reports."""
+    table = Table(title="Buffered sessions", box=box.SIMPLE_HEAVY)
+    for col in ("session", "population", "state", "version", "buffer", "accepted",
+                "refused stale", "max staleness", "staleness histogram"):
+        table.add_column(col, justify="left" if col in ("population", "state") else "right")
+    for s in sessions:
+        histogram = ", ".join(f"{t}: {n}" for t, n in s["staleness_histogram"].items())
+        table.add_row(
+            str(s["id"]), escape(s["population"]), s["state"], str(s["version"]),
+            f"{s['buffer_fill']}/{s['buffer_size']}", str(s["accepted"]),
+            str(s["refused_stale"]), str(s["max_staleness"]), histogram or "none",
+        )
+    return table
 
 
 def register(app: typer.Typer) -> None:

@@ -5,8 +5,12 @@ runtime (`DeploymentContext`) turns each wave of aggregations into a round, clie
 the round's task on their own data (`client_data("train")`) and report pre-aggregated
 partials that the server folds. See docs/deploy.md.
 
+Buffered asynchronous sessions (FedBuff) run a buffered learning process on the same
+clients: `BufferedDriver` publishes model versions and folds the reports clients send
+for them (`BufferedPlan` is the task they run).
+
 The task store's server (`Server`), its clients (`Client`) and the driver's transport
-(`ServerRounds`, `deployment_context`) need the `deploy` extra (FastAPI, uvicorn,
+(`ServerRounds`, `deployment_context`, `BufferedDriver`) need the `deploy` extra (FastAPI, uvicorn,
 httpx); they are imported on first use, so the rest works without it.
 """
 
@@ -37,6 +41,8 @@ _LAZY = {
     "deployment_context": "http",
     "CohortOptions": "store",
     "Pace": "store",
+    "BufferedDriver": "async_driver",
+    "BufferedPlan": "async_plan",
 }
 
 

@@ -16,6 +16,11 @@ ever leave it masked; its plain report travels with its masked input. The protoc
 keys live in memory only: a client that restarts mid-round has left that round (a
 dropout, which the protocol handles) and waits for the next one.
 
+A task of a buffered (asynchronous, FedBuff) session (`kind` "buffered") names a model
+version: the client verifies the session's plan (`async_plan.BufferedPlan`), trains it
+on its data from that version's weights and uploads the raw report for that version; a
+refusal as stale is logged, and the client checks in for the current version.
+
 A client's data are given by name (`data={"train": ...}`), each as a dataset (any
 iterable of batches of the type the task expects, e.g. a `fedlang.simulation` dataset)
 or as the path of an `.npz` file: its arrays (e.g. `x` and `y`, in the file's order)
@@ -37,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from fedlang.core import signing
-from fedlang.deploy import execution, protocol, secagg
+from fedlang.deploy import async_plan, async_store, execution, protocol, secagg
 from fedlang.deploy import http as http_lib
 from fedlang.deploy import plan as plan_lib
 
@@ -126,6 +131,7 @@ class Client:
         self.tasks_done = 0
         self._blobs: dict[str, bytes] = {}
         self._plans: dict[str, plan_lib.RoundPlan] = {}
+        self._buffered: dict[str, async_plan.BufferedPlan] = {}
         self._left: set[int] = set()  # secure rounds this client can no longer take part in
         self._stop = threading.Event()
         if self.credential_file and self.credential_file.exists():
@@ -198,7 +204,8 @@ class Client:
             if task is None:
                 self._stop.wait(float(answer.get("retry_after") or 1.0))
                 continue
-            if task["round"] in self._left:  # still assigned until its stage closes
+            buffered = task.get("kind") == async_store.KIND
+            if not buffered and task["round"] in self._left:  # assigned until its stage closes
                 self._stop.wait(1.0)
                 continue
             self.run_task(task)
@@ -207,6 +214,8 @@ class Client:
     def run_task(self, task: Mapping[str, Any]) -> bool:
         """Runs one task and uploads the report (or, in a secure round, takes part in its
         stages); returns whether the report (the masked input) was accepted."""
+        if task.get("kind") == async_store.KIND:
+            return self._run_buffered(task)
         round_plan = self._plan(task["plan"])
         broadcast = self._blob(task["broadcast"])
         if task.get("kind", "aggregate") == "secure" or round_plan.secure:
@@ -222,6 +231,26 @@ class Client:
             return False
         self.tasks_done += 1
         log.info("reported for round %s", task["round"])
+        return True
+
+    def _run_buffered(self, task: Mapping[str, Any]) -> bool:
+        """Trains the task's model version of a buffered session and uploads the report
+        for that version; returns whether it was accepted (a stale one is refused)."""
+        if task["plan"] not in self._buffered:
+            assert self.pinned is not None  # set at enrollment
+            self._buffered = {task["plan"]: async_plan.load(self._blob(task["plan"]), self.pinned)}
+        report = self._buffered[task["plan"]].run(self._blob(task["broadcast"]), self.data)
+        session, version = task["round"], task["version"]
+        try:
+            self._request(
+                "PUT", f"{protocol.API}/sessions/{session}/reports/{version}", content=report,
+                headers={"Content-Type": protocol.BINARY},
+            )
+        except (protocol.Gone, protocol.Conflict, protocol.Forbidden) as e:
+            log.warning("report for version %s of session %s refused: %s", version, session, e)
+            return False
+        self.tasks_done += 1
+        log.info("reported for version %s of session %s", version, session)
         return True
 
     def _run_secure(self, round_id: int, round_plan: plan_lib.RoundPlan, broadcast: bytes) -> bool:

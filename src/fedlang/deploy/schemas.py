@@ -110,7 +110,11 @@ class TaskOut(pydantic.BaseModel):
     kind: str = pydantic.Field(
         default="aggregate",
         description="'aggregate': upload one report; 'secure': take part in the stages of "
-        "GET /v1/rounds/{round}/secagg.",
+        "GET /v1/rounds/{round}/secagg; 'buffered': train `version` of session `round` and "
+        "upload with PUT /v1/sessions/{round}/reports/{version} (no deadline: 0).",
+    )
+    version: int | None = pydantic.Field(
+        default=None, description="A buffered task's model version (the weights are `broadcast`)."
     )
 
 
@@ -134,6 +138,21 @@ class ReportCounts(pydantic.BaseModel):
     late: int
 
 
+class SessionStatus(pydantic.BaseModel):
+    id: int
+    population: str
+    state: str
+    version: int = pydantic.Field(description="The current model version.")
+    buffer_fill: int = pydantic.Field(description="Accepted reports waiting in the buffer (n).")
+    buffer_size: int = pydantic.Field(description="K: reports per server step.")
+    max_staleness: int
+    accepted: int
+    refused_stale: int
+    staleness_histogram: dict[str, int] = pydantic.Field(
+        description="Accepted reports by staleness (versions behind when accepted)."
+    )
+
+
 class ServerInfo(pydantic.BaseModel):
     version: str
     public_key: str
@@ -150,3 +169,6 @@ class StatusOut(pydantic.BaseModel):
     dropouts: int
     rounds_closed: int
     rounds_failed: int
+    sessions: list[SessionStatus] = pydantic.Field(
+        default_factory=list, description="The latest buffered (FedBuff) sessions, newest first."
+    )

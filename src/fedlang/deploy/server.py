@@ -35,7 +35,7 @@ from fastapi import responses, security
 from starlette import concurrency
 
 from fedlang.core import serialization, signing
-from fedlang.deploy import aggregation, protocol, schemas, secure_rounds
+from fedlang.deploy import aggregation, async_store, protocol, schemas, secure_rounds
 from fedlang.deploy import plan as plan_lib
 from fedlang.deploy import store as store_lib
 
@@ -134,6 +134,7 @@ class App:
         self._folders: collections.OrderedDict[str, aggregation.Folder] = collections.OrderedDict()
         self._folders_lock = threading.Lock()
         self.secure = secure_rounds.SecureRounds(store, self.folder)
+        self.sessions = async_store.Sessions(store)  # buffered (FedBuff) sessions
 
     def folder(self, signed_plan_hash: str) -> aggregation.Folder:
         """The round's folder, from its signed plan (cached: a plan is read once)."""
@@ -250,6 +251,7 @@ class App:
             "dropouts": counters.get("dropouts", 0),
             "rounds_closed": counters.get("rounds:closed", 0),
             "rounds_failed": counters.get("rounds:failed", 0),
+            "sessions": [self.sessions.status(s) for s in self.sessions.sessions()],
         }
 
 
@@ -393,6 +395,14 @@ def create_app(server: App, tick: float = 1.0) -> fastapi.FastAPI:
         got = server.store.checkin(client_id, population)
         if got is None:
             return schemas.CheckinOut(finished=True)
+        if not isinstance(got, store_lib.Task):  # no round task: a buffered session's?
+            buffered = server.sessions.checkin(client_id, population)
+            if buffered is not None:
+                return schemas.CheckinOut(task=schemas.TaskOut(
+                    round=buffered.session, plan=buffered.plan, broadcast=buffered.weights,
+                    deadline=0.0, seconds_left=0.0, kind=async_store.KIND,
+                    version=buffered.version,
+                ))
         if isinstance(got, store_lib.Task):
             return schemas.CheckinOut(task=schemas.TaskOut(
                 round=got.round, plan=got.plan, broadcast=got.broadcast, deadline=got.deadline,
@@ -439,6 +449,9 @@ def create_app(server: App, tick: float = 1.0) -> fastapi.FastAPI:
     from fedlang.deploy import secure_http  # it builds on this module's helpers
 
     secure_http.add_routes(v1, server)
+    from fedlang.deploy import async_http  # likewise
+
+    async_http.add_routes(v1, server)
     app.include_router(v1)
     return app
 

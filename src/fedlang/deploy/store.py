@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from fedlang.deploy import protocol, sql
+from fedlang.deploy import async_store, protocol, sql
 
 SCHEMA_VERSION = b"1"
 OPEN, CLOSED, FAILED = "open", "closed", "failed"
@@ -70,6 +70,8 @@ _SCHEMA = [
     " answered {int} NOT NULL DEFAULT 0, state {blob} NOT NULL)",
     "CREATE TABLE IF NOT EXISTS secure_requests (round {int} NOT NULL, client TEXT NOT NULL,"
     " stage {int} NOT NULL, data {blob} NOT NULL, PRIMARY KEY (round, client, stage))",
+    # Buffered (asynchronous, FedBuff) sessions: async_store.py.
+    *async_store.SCHEMA,
 ]
 AGGREGATE, SECURE = "aggregate", "secure"
 
