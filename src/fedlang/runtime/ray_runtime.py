@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from fedlang.core import ir, local, structure, types
-from fedlang.runtime import accumulate, lazy, reference, simulation
+from fedlang.runtime import accumulate, counters, lazy, reference, simulation
 
 # Tasks a worker has queued at once: one running, one waiting (its arguments in flight).
 _IN_FLIGHT = 2
@@ -60,6 +60,8 @@ class Transfers:
         local computations sent for the first time).
       from_workers: bytes the driver received (the root partials of each wave).
       between_workers: bytes of task partials merged on the actors (not via the driver).
+      worker_compilations: XLA programs the workers compiled for this invocation (0
+        once every actor has seen the computation's shapes: programs are cached).
     """
 
     waves: int = 0
@@ -68,6 +70,7 @@ class Transfers:
     to_workers: int = 0
     from_workers: int = 0
     between_workers: int = 0
+    worker_compilations: int = 0
 
     def plus(self, **counts: int) -> Transfers:
         return dataclasses.replace(
@@ -356,9 +359,15 @@ class _Worker:
         start: int,
         stop: int,
         slices: bytes,
-    ) -> tuple[tuple[int, int], bytes]:
-        """Accumulates the clients `start..stop-1` of a wave; returns (sizes, partials)."""
+    ) -> tuple[tuple[int, int, int], bytes]:
+        """Accumulates the clients `start..stop-1` of a wave.
+
+        Returns ((clients, bytes of the partials, programs compiled), partials).
+        """
         from ray import cloudpickle
+
+        counters.start()
+        before = counters.snapshot()
 
         spec = self._spec(spec_key, spec_ref, fn_refs)
         if spec.hook is not None:
@@ -380,7 +389,7 @@ class _Worker:
             )
             raise
         data = cloudpickle.dumps(partials)
-        return (n, len(data)), data
+        return (n, len(data), counters.snapshot().minus(before).compilations), data
 
     def merge(
         self, spec_key: str, spec_ref: list[Any], fn_refs: dict[str, Any], left: bytes, right: bytes
@@ -673,7 +682,7 @@ class RayContext(simulation.SimulationContext):
                 i, slot, actor, partial = inflight.pop(ready[0])
                 load[slot] -= 1
                 try:
-                    _, size = ray.get(ready[0])
+                    _, size, compiled = ray.get(ready[0])
                 except ray.exceptions.RayActorError as e:
                     retries += 1
                     if retries > self.max_retries:
@@ -690,7 +699,9 @@ class RayContext(simulation.SimulationContext):
                         raise e.cause from e  # the worker's error, as raised there
                     raise
                 done[i] = partial
-                self.transfers = self.transfers.plus(tasks=1, between_workers=size)
+                self.transfers = self.transfers.plus(
+                    tasks=1, between_workers=size, worker_compilations=compiled
+                )
         finally:
             if inflight:  # a task failed: let the others finish, so the actors are idle
                 ray.wait(list(inflight), num_returns=len(inflight))
