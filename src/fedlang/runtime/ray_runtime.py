@@ -37,6 +37,7 @@ import os
 import pickle
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -62,6 +63,7 @@ class Transfers:
       between_workers: bytes of task partials merged on the actors (not via the driver).
       worker_compilations: XLA programs the workers compiled for this invocation (0
         once every actor has seen the computation's shapes: programs are cached).
+      worker_seconds: seconds the workers spent in tasks (all workers together).
     """
 
     waves: int = 0
@@ -71,8 +73,9 @@ class Transfers:
     from_workers: int = 0
     between_workers: int = 0
     worker_compilations: int = 0
+    worker_seconds: float = 0.0
 
-    def plus(self, **counts: int) -> Transfers:
+    def plus(self, **counts: float) -> Transfers:
         return dataclasses.replace(
             self, **{k: getattr(self, k) + v for k, v in counts.items()}
         )
@@ -359,15 +362,16 @@ class _Worker:
         start: int,
         stop: int,
         slices: bytes,
-    ) -> tuple[tuple[int, int, int], bytes]:
+    ) -> tuple[tuple[int, int, int, float], bytes]:
         """Accumulates the clients `start..stop-1` of a wave.
 
-        Returns ((clients, bytes of the partials, programs compiled), partials).
+        Returns ((clients, bytes of the partials, programs compiled, seconds), partials).
         """
         from ray import cloudpickle
 
         counters.start()
         before = counters.snapshot()
+        began = time.perf_counter()
 
         spec = self._spec(spec_key, spec_ref, fn_refs)
         if spec.hook is not None:
@@ -389,7 +393,8 @@ class _Worker:
             )
             raise
         data = cloudpickle.dumps(partials)
-        return (n, len(data), counters.snapshot().minus(before).compilations), data
+        compiled = counters.snapshot().minus(before).compilations
+        return (n, len(data), compiled, time.perf_counter() - began), data
 
     def merge(
         self, spec_key: str, spec_ref: list[Any], fn_refs: dict[str, Any], left: bytes, right: bytes
@@ -682,7 +687,7 @@ class RayContext(simulation.SimulationContext):
                 i, slot, actor, partial = inflight.pop(ready[0])
                 load[slot] -= 1
                 try:
-                    _, size, compiled = ray.get(ready[0])
+                    _, size, compiled, seconds = ray.get(ready[0])
                 except ray.exceptions.RayActorError as e:
                     retries += 1
                     if retries > self.max_retries:
@@ -700,7 +705,8 @@ class RayContext(simulation.SimulationContext):
                     raise
                 done[i] = partial
                 self.transfers = self.transfers.plus(
-                    tasks=1, between_workers=size, worker_compilations=compiled
+                    tasks=1, between_workers=size, worker_compilations=compiled,
+                    worker_seconds=seconds,
                 )
         finally:
             if inflight:  # a task failed: let the others finish, so the actors are idle
