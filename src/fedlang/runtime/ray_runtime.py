@@ -649,23 +649,26 @@ class RayContext(simulation.SimulationContext):
         bounds = [(s, min(s + size, n)) for s in range(0, n, size)]
         data, tokens, sent = _dumps(spec, self.registry)
         spec_ref = [ray.put(data)]  # in a list: actors fetch it once per wave, not per task
-        slices = []
-        for start, stop in bounds:
+        fn_refs = self.registry.refs(tokens)
+        self.transfers = self.transfers.plus(waves=1, to_workers=sent + len(data))
+
+        def task_values(i: int) -> tuple[bytes, dict[str, Any]]:
+            # Serialized when the task is submitted (a cohort's in-memory data is never
+            # serialized all at once); (the task's per-client values, computations).
+            start, stop = bounds[i]
             part, more, new = _dumps_slices(
                 [list(v[start:stop]) for v in sources.sources], sources.source_types, self.registry
             )
-            tokens |= more
-            sent += new + len(part)
-            slices.append(part)
-        fn_refs = self.registry.refs(tokens)
-        self.transfers = self.transfers.plus(waves=1, to_workers=sent + len(data))
-        leaves = self._run_tasks(pool, spec.key, spec_ref, fn_refs, bounds, slices)
+            self.transfers = self.transfers.plus(to_workers=new + len(part))
+            return part, (self.registry.refs(tokens | more) if more - tokens else fn_refs)
+
+        leaves = self._run_tasks(pool, spec.key, spec_ref, bounds, task_values)
         parts = self._merge_tree(pool, spec.key, spec_ref, fn_refs, leaves)
         self.transfers = self.transfers.plus(from_workers=sum(len(p) for p in parts))
         return [pickle.loads(p) for p in parts]
 
-    def _run_tasks(self, pool: _Pool, key: str, spec_ref: list[Any], fn_refs: dict[str, Any],
-                   bounds: list[tuple[int, int]], slices: list[bytes]) -> list[Any]:
+    def _run_tasks(self, pool: _Pool, key: str, spec_ref: list[Any],
+                   bounds: list[tuple[int, int]], task_values: Any) -> list[Any]:
         import ray
 
         pending = collections.deque(range(len(bounds)))
@@ -678,9 +681,11 @@ class RayContext(simulation.SimulationContext):
                 for slot, actor in enumerate(pool.actors):
                     while pending and load[slot] < _IN_FLIGHT:
                         i = pending.popleft()
+                        values, refs = task_values(i)
                         status, partial = actor.run_task.options(num_returns=2).remote(
-                            key, spec_ref, fn_refs, i, *bounds[i], slices[i]
+                            key, spec_ref, refs, i, *bounds[i], values
                         )
+                        del values
                         inflight[status] = (i, slot, actor, partial)
                         load[slot] += 1
                 ready, _ = ray.wait(list(inflight), num_returns=1)
@@ -710,7 +715,7 @@ class RayContext(simulation.SimulationContext):
                 )
         finally:
             if inflight:  # a task failed: let the others finish, so the actors are idle
-                ray.wait(list(inflight), num_returns=len(inflight))
+                ray.wait(list(inflight), num_returns=len(inflight), timeout=600)
             self.transfers = self.transfers.plus(retries=retries)
         return [done[i] for i in range(len(bounds))]
 
