@@ -152,6 +152,25 @@ def test_an_actor_that_dies_mid_round_has_its_task_rerun(tmp_path):
     _assert_close(again, got)
 
 
+def _exit_on_first_task(task: int) -> None:
+    if task == 0:
+        os._exit(1)
+
+
+@pytest.mark.slow  # starts three actors (processes importing JAX) after the deaths
+def test_a_task_that_keeps_killing_its_actor_fails_the_round_and_the_next_call_works():
+    @fl.federated_computation(fl.type_at_clients(np.float32))
+    def total(x):
+        return fl.federated_sum(x)
+
+    dying = RayContext(num_workers=2, max_retries=1, task_hook=_exit_on_first_task)
+    with context.with_context(dying), pytest.raises(RuntimeError, match="died 2 times"):
+        total([1.0, 2.0, 3.0, 4.0])
+
+    with context.with_context(RayContext(num_workers=2)):
+        assert total([1.0, 2.0, 3.0, 4.0]) == 10.0
+
+
 def test_unreadable_client_data_names_the_client_and_path_and_the_next_call_works(tmp_path):
     broken = _write_store(tmp_path / "broken", num_clients=6)
     data = _datasets(broken)
