@@ -486,7 +486,9 @@ class _Pool:
             for name in ("jax_enable_x64", "jax_numpy_dtype_promotion",
                          "jax_default_matmul_precision")
         }
-        return self._cls.remote(list(sys.path), config)
+        # The driver's working directory too: pytest's importlib mode, for one, names
+        # test modules relative to it without putting it on sys.path.
+        return self._cls.remote([*sys.path, os.getcwd()], config)
 
     def replace(self, slot: int, actor: Any) -> None:
         """Replaces a dead actor (once, however many of its tasks report it)."""
