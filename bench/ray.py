@@ -162,7 +162,7 @@ def main() -> None:
         base = next(r for r in rows if r["runtime"] == "simulation")
         one = next(r for r in rows if r["runtime"] == "ray" and r["workers"] == 1)
         for r in rows:
-            name = "simulation" if r["runtime"] == "simulation" else f"ray, {r['workers']} workers"
+            name = "simulation" if r["runtime"] == "simulation" else f"ray, {r['workers']} worker{'s' if r['workers'] > 1 else ''}"
             ray_cols = ["-"] * 7
             if r["runtime"] == "ray":
                 ray_cols = [
