@@ -54,10 +54,11 @@ def write_clients(path: pathlib.Path, num_clients: int, seed: int = 0) -> dict[s
     test, train = order[: len(y) // 5], order[len(y) // 5 :]
     shares: list[list[int]] = [[] for _ in range(num_clients)]
     for i in train:
-        if rng.random() < 0.2:  # a fifth of the examples go to anyone
+        # the clients that hold this digit (any client when none does: few clients)
+        holders = [c for c in range(num_clients) if y[i] in (c % 10, (c * 3 + 1) % 10)]
+        if rng.random() < 0.2 or not holders:  # a fifth of the examples go to anyone
             shares[rng.integers(num_clients)].append(int(i))
         else:  # the rest to one of the two clients that hold this digit
-            holders = [c for c in range(num_clients) if y[i] in (c % 10, (c * 3 + 1) % 10)]
             shares[holders[rng.integers(len(holders))]].append(int(i))
     sim.store.write(path, {
         f"client{c}": [{"x": x[i], "y": y[i]} for i in idx] for c, idx in enumerate(shares)

@@ -81,6 +81,16 @@ class Transfers:
         )
 
 
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(
+            "The Ray runtime needs Ray, which is not installed: pip install 'fedlang[ray]'."
+        ) from e
+    return ray
+
+
 # -- the portable form of a wave --------------------------------------------------------
 #
 # A wave's CLIENTS values are a graph of `lazy` nodes bound to the driver's run (and
@@ -625,7 +635,7 @@ class RayContext(simulation.SimulationContext):
 
     def workers(self) -> _Pool:
         """The actors (started on first use, shared with other contexts of this session)."""
-        import ray
+        ray = _import_ray()
 
         if not ray.is_initialized():
             raise RuntimeError(
@@ -785,7 +795,7 @@ def ray_context(
       ...   print(mean([1.0, 2.0, 3.0]))
       2.0
     """
-    import ray
+    ray = _import_ray()
 
     from fedlang.core import context as core_context
 
