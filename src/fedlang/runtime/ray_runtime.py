@@ -11,7 +11,7 @@ receives only the root: O(1) values per aggregation, never per-client ones.
 
 What travels:
 
-* once per wave, the wave's portable description (`_WaveSpec`): the client dataflow
+* once per wave, the wave's portable description (`ray_wave.WaveSpec`): the client dataflow
   graph with its broadcast values, and the aggregations with their server arguments;
 * once per context and local computation, the computation itself (pickled, cached on
   each actor with its compiled programs across rounds);
@@ -31,19 +31,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import io
 import math
 import os
 import pickle
-import socket
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from fedlang.core import ir, local, structure, types
-from fedlang.runtime import accumulate, counters, lazy, reference, simulation
+from fedlang.runtime import ray_wave, simulation
 
 # Tasks a worker has queued at once: one running, one waiting (its arguments in flight).
 _IN_FLIGHT = 2
@@ -91,387 +87,6 @@ def _import_ray() -> Any:
     return ray
 
 
-# -- the portable form of a wave --------------------------------------------------------
-#
-# A wave's CLIENTS values are a graph of `lazy` nodes bound to the driver's run (and
-# holding the whole cohort's data); a worker rebuilds the same graph, bound to its own
-# run, over its task's slice of the per-client values.
-
-
-@dataclasses.dataclass
-class _SourceSpec:
-    index: int  # into the task's slices
-    member: types.Type
-
-
-@dataclasses.dataclass
-class _RepSpec:
-    value: Any
-    member: types.Type
-
-
-@dataclasses.dataclass
-class _MapSpec:
-    fn: Any
-    input: Any
-    member: types.Type
-
-
-@dataclasses.dataclass
-class _ZipSpec:
-    parts: Any
-    arg_type: types.Type
-    member: types.Type
-
-
-@dataclasses.dataclass
-class _CountSpec:
-    fn: Any
-    member: types.Type
-
-
-@dataclasses.dataclass
-class _AggSpec:
-    uri: str | None  # None: collect the per-client values (in client order)
-    parameter_type: types.Type | None
-    server_args: tuple
-    member: types.Type
-
-
-@dataclasses.dataclass
-class _WaveSpec:
-    key: str
-    inputs: list[Any]
-    aggregations: list[_AggSpec]
-    options: simulation.Options
-    hook: Any
-
-
-class NotPortable(Exception):
-    """A wave refers to driver-side values a worker cannot receive (it runs locally)."""
-
-
-class _Portable:
-    """Turns a wave's lazy graph into `_WaveSpec` nodes and collects its sources."""
-
-    def __init__(self) -> None:
-        self.sources: list[list[Any]] = []
-        self.source_types: list[types.Type] = []
-        self._memo: dict[int, Any] = {}
-        self._source_index: dict[int, int] = {}
-
-    def node(self, v: lazy.ClientsValue) -> Any:
-        key = id(v)
-        if key not in self._memo:
-            self._memo[key] = self._node(v)
-        return self._memo[key]
-
-    def _node(self, v: lazy.ClientsValue) -> Any:
-        if isinstance(v, lazy.Source):
-            return _SourceSpec(self._source(v.values, v.member), v.member)
-        if isinstance(v, lazy.FromThunk):
-            return _SourceSpec(self._source(v.thunk.get(), v.member), v.member)
-        if isinstance(v, lazy.Replicated):
-            return _RepSpec(self.value(lazy.force(v.value)), v.member)
-        if isinstance(v, lazy.Mapped):
-            return _MapSpec(self.value(v.fn), self.node(v.input), v.member)
-        if isinstance(v, lazy.Zipped):
-            return _ZipSpec(self._parts(v.parts, v.arg_type), v.arg_type, v.member)
-        if isinstance(v, lazy.Counted):
-            return _CountSpec(self.value(v.fn), v.member)
-        raise NotPortable(f"{type(v).__name__} values have no portable form")
-
-    def _source(self, values: Any, member: types.Type) -> int:
-        if id(values) not in self._source_index:
-            self._source_index[id(values)] = len(self.sources)
-            self.sources.append(values)
-            self.source_types.append(member)
-        return self._source_index[id(values)]
-
-    def _parts(self, v: Any, t: types.Type) -> Any:
-        if isinstance(t, types.FederatedType):
-            return self.node(v)
-        return tuple(self._parts(x, et) for x, et in zip(v, t.types))  # type: ignore[attr-defined]
-
-    def value(self, v: Any) -> Any:
-        """A server value or function as workers receive it."""
-        v = lazy.force(v)
-        if isinstance(v, lazy.ClientsValue):
-            raise NotPortable("a CLIENTS value is captured by a function")
-        if isinstance(v, tuple):
-            return tuple(self.value(x) for x in v)
-        if isinstance(v, reference.Closure):
-            free = _free_references(v.fn)
-            return reference.Closure(v.fn, {k: self.value(v.env[k]) for k in free if k in v.env})
-        return v
-
-
-def _free_references(node: ir.Node, bound: frozenset[str] = frozenset()) -> set[str]:
-    """The names `node` uses from its environment (a closure ships only those)."""
-    if isinstance(node, ir.Reference):
-        return set() if node.name in bound else {node.name}
-    if isinstance(node, ir.Lambda):
-        inner = bound | ({node.parameter_name} if node.parameter_name else set())
-        return _free_references(node.result, frozenset(inner))
-    if isinstance(node, ir.Block):
-        free: set[str] = set()
-        scope = set(bound)
-        for name, value in node.locals:
-            free |= _free_references(value, frozenset(scope))
-            scope.add(name)
-        return free | _free_references(node.result, frozenset(scope))
-    return {n for child in node.children() for n in _free_references(child, bound)}
-
-
-def _aggregation_spec(a: simulation.AggThunk) -> _AggSpec:
-    if a.spec is None:
-        return _AggSpec(None, None, (), a.input.member)
-    d, t, server_args = a.spec
-    return _AggSpec(d.uri, t, tuple(lazy.force(server_args)), a.input.member)
-
-
-# -- pickling local computations by reference -------------------------------------------
-
-
-class _Registry:
-    """The driver's local computations, each sent to the Ray object store once.
-
-    A wave's description refers to a local computation by a token; an actor unpickles
-    each computation once and keeps it (with the programs it compiled) across rounds.
-    """
-
-    def __init__(self) -> None:
-        self.by_id: dict[int, tuple[Any, str, Any, int]] = {}  # id -> (fn, token, ref, bytes)
-        self._is_local: dict[type, bool] = {}
-
-    def is_local(self, obj: Any) -> bool:
-        t = type(obj)
-        if t not in self._is_local:
-            self._is_local[t] = local.is_local(obj)
-        return self._is_local[t]
-
-    def token(self, fn: Any) -> tuple[str, int]:
-        """(token, bytes newly sent) of a local computation."""
-        entry = self.by_id.get(id(fn))
-        if entry is not None:
-            return entry[1], 0
-        import ray
-        from ray import cloudpickle
-
-        data = cloudpickle.dumps(fn)
-        token = uuid.uuid4().hex
-        # The registry keeps `fn` alive: its id cannot be reused by another object.
-        self.by_id[id(fn)] = (fn, token, ray.put(data), len(data))
-        return token, len(data)
-
-    def refs(self, tokens: set[str]) -> dict[str, Any]:
-        return {tok: ref for _, tok, ref, _ in self.by_id.values() if tok in tokens}
-
-
-def _dumps_slices(
-    slices: list[list[Any]], member_types: list[types.Type], registry: _Registry
-) -> tuple[bytes, set[str], int]:
-    """`_dumps` of a task's per-client values. Client datasets are sent as recipes (a
-    `Dataset`, a list); one that cannot be sent (a one-shot generator) is read here and
-    its batches are sent instead."""
-    try:
-        return _dumps(slices, registry)
-    except (TypeError, AttributeError, pickle.PicklingError):
-        pass
-    read = [[_read_streams(v, t) for v in values] for values, t in zip(slices, member_types)]
-    return _dumps(read, registry)
-
-
-def _read_streams(value: Any, t: types.Type) -> Any:
-    if isinstance(t, types.SequenceType) and isinstance(value, structure.Stream):
-        return value if value.replayable else structure.Stream(
-            list(value), value.element_type, value.path
-        )
-    if isinstance(t, types.StructType) and isinstance(value, tuple):
-        return tuple(_read_streams(v, et) for v, et in zip(value, t.types))
-    return value
-
-
-def _dumps(value: Any, registry: _Registry) -> tuple[bytes, set[str], int]:
-    """(bytes, tokens of the local computations referred to, bytes of new computations)."""
-    from ray import cloudpickle
-
-    tokens: set[str] = set()
-    sent = 0
-
-    class Pickler(cloudpickle.CloudPickler):
-        def persistent_id(self, obj: Any) -> Any:
-            nonlocal sent
-            if registry.is_local(obj):
-                token, new = registry.token(obj)
-                tokens.add(token)
-                sent += new
-                return token
-            return None
-
-    buf = io.BytesIO()
-    Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    return buf.getvalue(), tokens, sent
-
-
-# -- the worker ----------------------------------------------------------------------------
-
-
-class _Worker:
-    """A Ray actor: runs tasks of waves with its own simulation runtime."""
-
-    def __init__(self, sys_path: list[str], jax_config: dict[str, Any]):
-        # Functions defined in the driver's modules (a script, tests) are pickled by
-        # reference: make the driver's import path importable here.
-        for p in sys_path:
-            if p not in sys.path and os.path.isdir(p):
-                sys.path.append(p)
-        import jax
-
-        for name, value in jax_config.items():
-            jax.config.update(name, value)
-        self.contexts: dict[str, simulation.SimulationContext] = {}
-        self.fns: dict[str, Any] = {}
-        self.wave: _WaveSpec | None = None
-
-    def where(self) -> str:
-        return f"{socket.gethostname()} (pid {os.getpid()})"
-
-    def _loads(self, data: bytes, fn_refs: dict[str, Any]) -> Any:
-        import ray
-
-        fns = self.fns
-
-        class Unpickler(pickle.Unpickler):
-            def persistent_load(self, token: Any) -> Any:
-                if token not in fns:
-                    fns[token] = pickle.loads(ray.get(fn_refs[token]))
-                return fns[token]
-
-        return Unpickler(io.BytesIO(data)).load()
-
-    def _spec(self, spec_key: str, spec_ref: list[Any], fn_refs: dict[str, Any]) -> _WaveSpec:
-        import ray
-
-        if self.wave is None or self.wave.key != spec_key:
-            self.wave = self._loads(ray.get(spec_ref[0]), fn_refs)
-        return self.wave
-
-    def _context(self, options: simulation.Options) -> simulation.SimulationContext:
-        key = repr(options)
-        if key not in self.contexts:
-            self.contexts[key] = simulation.SimulationContext(options)
-        return self.contexts[key]
-
-    def run_task(
-        self,
-        spec_key: str,
-        spec_ref: list[Any],
-        fn_refs: dict[str, Any],
-        task: int,
-        start: int,
-        stop: int,
-        slices: bytes,
-    ) -> tuple[tuple[int, int, int, float], bytes]:
-        """Accumulates the clients `start..stop-1` of a wave.
-
-        Returns ((clients, bytes of the partials, programs compiled, seconds), partials).
-        """
-        from ray import cloudpickle
-
-        counters.start()
-        before = counters.snapshot()
-        began = time.perf_counter()
-
-        spec = self._spec(spec_key, spec_ref, fn_refs)
-        if spec.hook is not None:
-            spec.hook(task)
-        values = self._loads(slices, fn_refs)
-        n = stop - start
-        try:
-            run = simulation.Run(self._context(spec.options), n)
-            memo: dict[int, Any] = {}
-            inputs = [_rebuild(node, run, values, memo) for node in spec.inputs]
-            accs = [_make(a, run) for a in spec.aggregations]
-            wave = [simulation.AggThunk(run, x, None) for x in inputs]
-            run._pass(wave, accs, n)
-            partials = [acc.partial() for acc in accs]
-        except Exception as e:
-            e.add_note(
-                f"(raised on the Ray worker {self.where()} computing clients "
-                f"{start}..{start + n - 1} of the cohort)"
-            )
-            raise
-        data = cloudpickle.dumps(partials)
-        compiled = counters.snapshot().minus(before).compilations
-        return (n, len(data), compiled, time.perf_counter() - began), data
-
-    def merge(
-        self, spec_key: str, spec_ref: list[Any], fn_refs: dict[str, Any], left: bytes, right: bytes
-    ) -> bytes:
-        """The partials of two adjacent runs of clients, merged (left first)."""
-        from ray import cloudpickle
-
-        spec = self._spec(spec_key, spec_ref, fn_refs)
-        run = simulation.Run(self._context(spec.options), None)
-        accs = [_make(a, run) for a in spec.aggregations]
-        for part in (left, right):
-            for acc, p in zip(accs, pickle.loads(part)):
-                acc.merge(p)
-        return cloudpickle.dumps([acc.partial() for acc in accs])
-
-
-class _OrderedCollect(accumulate.Collect):
-    """Per-client values in client order; partials are lists, merged by concatenation."""
-
-    def partial(self) -> Any:
-        return self.values
-
-    def merge(self, partial: Any) -> None:
-        self.values.extend(partial)
-
-
-def _make(a: _AggSpec, run: simulation.Run) -> accumulate.Accumulator:
-    if a.uri is None:
-        return _OrderedCollect(a.member)
-    from fedlang.core import intrinsics
-
-    d = intrinsics.lookup(a.uri)
-    assert a.parameter_type is not None
-    return accumulate.AGGREGATIONS[a.uri].make(d, a.parameter_type, a.server_args, run.call_now)
-
-
-def _rebuild(spec: Any, run: simulation.Run, values: list[list[Any]], memo: dict[int, Any]) -> Any:
-    key = id(spec)
-    if key in memo:
-        return memo[key]
-    out: lazy.ClientsValue
-    if isinstance(spec, _SourceSpec):
-        out = lazy.Source(values[spec.index], spec.member)
-    elif isinstance(spec, _RepSpec):
-        out = lazy.Replicated(spec.value, spec.member)
-    elif isinstance(spec, _MapSpec):
-        out = lazy.Mapped(spec.fn, _rebuild(spec.input, run, values, memo), spec.member, run._apply)
-    elif isinstance(spec, _ZipSpec):
-        out = lazy.Zipped(_rebuild_parts(spec.parts, spec.arg_type, run, values, memo),
-                          spec.arg_type, spec.member)
-    elif isinstance(spec, _CountSpec):
-        out = lazy.Counted(spec.fn, run.call_now, spec.member)
-    else:
-        raise TypeError(f"Expected a portable CLIENTS value, found {type(spec).__name__}.")
-    memo[key] = out
-    return out
-
-
-def _rebuild_parts(parts: Any, t: types.Type, run: Any, values: Any, memo: dict[int, Any]) -> Any:
-    if isinstance(t, types.FederatedType):
-        return _rebuild(parts, run, values, memo)
-    return tuple(
-        _rebuild_parts(x, et, run, values, memo)
-        for x, et in zip(parts, t.types)  # type: ignore[attr-defined]
-    )
-
-
 # -- the actors of a Ray session ----------------------------------------------------------
 
 
@@ -484,7 +99,7 @@ class _Pool:
 
         self.num_gpus = num_gpus
         self._cls = ray.remote(num_cpus=0 if num_gpus else 1, num_gpus=num_gpus, max_restarts=0)(
-            _Worker
+            ray_wave.Worker
         )
         self.actors = [self._start() for _ in range(num_workers)]
 
@@ -556,22 +171,22 @@ class RayRun(simulation.Run):
         n = self.num_clients
         if n == 0:
             return super().compute_wave(wave)
-        portable = _Portable()
+        portable = ray_wave.Portable()
         try:
-            spec = _WaveSpec(
+            spec = ray_wave.WaveSpec(
                 uuid.uuid4().hex,
                 [portable.node(a.input) for a in wave],
-                [_aggregation_spec(a) for a in wave],
+                [ray_wave.aggregation_spec(a) for a in wave],
                 dataclasses.replace(self.ctx.options, num_clients=None, progress=False),
                 self.ctx.task_hook,
             )
-        except NotPortable:
+        except ray_wave.NotPortable:
             # e.g. a function mapped at the clients captures another CLIENTS value:
             # correct here, at the driver.
             return super().compute_wave(wave)
         parts = self.ctx.compute(spec, portable, n)
         accs = [
-            _OrderedCollect(s.member) if s.uri is None else a.make()
+            ray_wave.OrderedCollect(s.member) if s.uri is None else a.make()
             for a, s in zip(wave, spec.aggregations)
         ]
         for partials in parts:
@@ -619,7 +234,7 @@ class RayContext(simulation.SimulationContext):
         self.tasks_per_worker = tasks_per_worker
         self.max_retries = max_retries
         self.task_hook = task_hook
-        self.registry = _Registry()
+        self.registry = ray_wave.Registry()
         self.transfers = Transfers()
         self.last_transfers: Transfers | None = None
 
@@ -650,7 +265,7 @@ class RayContext(simulation.SimulationContext):
         count = self.num_workers or (gpus if use_gpus else max(int(resources.get("CPU", 1)), 1))
         return _pool(count, 1 if use_gpus else 0)
 
-    def compute(self, spec: _WaveSpec, sources: _Portable, n: int) -> list[list[Any]]:
+    def compute(self, spec: ray_wave.WaveSpec, sources: ray_wave.Portable, n: int) -> list[list[Any]]:
         """The partials of a wave over `n` clients, to merge in order: normally one list
         (the root of the merge tree), one per aggregation (module docstring)."""
         import ray
@@ -659,7 +274,7 @@ class RayContext(simulation.SimulationContext):
         num_tasks = min(n, len(pool.actors) * self.tasks_per_worker)
         size = math.ceil(n / num_tasks)
         bounds = [(s, min(s + size, n)) for s in range(0, n, size)]
-        data, tokens, sent = _dumps(spec, self.registry)
+        data, tokens, sent = ray_wave.dumps(spec, self.registry)
         spec_ref = [ray.put(data)]  # in a list: actors fetch it once per wave, not per task
         fn_refs = self.registry.refs(tokens)
         self.transfers = self.transfers.plus(waves=1, to_workers=sent + len(data))
@@ -668,7 +283,7 @@ class RayContext(simulation.SimulationContext):
             # Serialized when the task is submitted (a cohort's in-memory data is never
             # serialized all at once); (the task's per-client values, computations).
             start, stop = bounds[i]
-            part, more, new = _dumps_slices(
+            part, more, new = ray_wave.dumps_slices(
                 [list(v[start:stop]) for v in sources.sources], sources.source_types, self.registry
             )
             self.transfers = self.transfers.plus(to_workers=new + len(part))
