@@ -27,6 +27,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -59,10 +60,16 @@ def _peak_rss_mib() -> float:
 
 
 def worker(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Runs one configuration in this process and returns its measurements."""
+    """Runs one configuration in this process and returns its measurements.
+
+    `runtime` is "simulation" or "ray" (that runtime alone: its peak RSS is the
+    driver's), or "paired": the two alternately, round by round on the same cohorts,
+    so that the ratio of their round times sees the same machine load.
+    """
     from ray import cloudpickle
 
     import fedlang as fl
+    from fedlang.core import context as core_context
 
     data, workloads = _load("data"), _load("workloads")
     # Ray workers cannot import bench/ modules: the lazy clients travel by value.
@@ -71,30 +78,43 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     ds = data.FederatedEmnist(seed=0, num_clients=max(1000, cfg["cohort"]))
     process = workloads.build_fedavg(workloads.LOGREG)
-    if cfg["runtime"] == "simulation":
-        manager = fl.runtime.simulation_context(strategy="scan", decision_cache=False)
-    else:
+    contexts: dict[str, Any] = {}
+    if cfg["runtime"] in ("simulation", "paired"):
+        contexts["simulation"] = fl.runtime.SimulationContext(strategy="scan", decision_cache=False)
+    manager: Any = contextlib.nullcontext()
+    if cfg["runtime"] in ("ray", "paired"):
         manager = fl.runtime.ray_context(
             num_cpus=2, num_workers=cfg["workers"], strategy="scan", decision_cache=False
         )
     rss_before = _peak_rss_mib()
-    times, moved = [], []
-    with manager as ctx:
-        state = process.initialize()
+    times: dict[str, list[float]] = {name: [] for name in ("simulation", "ray")}
+    moved = []
+    with manager as ray_ctx:
+        if ray_ctx is not None:
+            contexts["ray"] = ray_ctx
+        states = {}
+        for name, ctx in contexts.items():
+            with core_context.with_context(ctx):
+                states[name] = process.initialize()
         for r in range(cfg["warmup"] + cfg["rounds"]):
             cohort = ds.sample_cohort(r, cfg["cohort"])
-            clients = [ds.lazy_client(int(i), 20, r, True) for i in cohort]
-            t0 = time.perf_counter()
-            state, _ = process.next(state, clients)
-            dt = time.perf_counter() - t0
-            if r >= cfg["warmup"]:
-                times.append(dt)
-                t = getattr(ctx, "last_transfers", None)
-                if t is not None:
-                    moved.append(t)
+            for name, ctx in contexts.items():
+                clients = [ds.lazy_client(int(i), 20, r, True) for i in cohort]
+                with core_context.with_context(ctx):
+                    t0 = time.perf_counter()
+                    states[name], _ = process.next(states[name], clients)
+                    dt = time.perf_counter() - t0
+                if r >= cfg["warmup"]:
+                    times[name].append(dt)
+                    if name == "ray":
+                        moved.append(ctx.last_transfers)
     out: dict[str, Any] = dict(cfg)
-    out.update(round_s=statistics.median(times), times=times,
-               rss_before_mib=rss_before, peak_rss_mib=_peak_rss_mib())
+    out.update(times=times, rss_before_mib=rss_before, peak_rss_mib=_peak_rss_mib())
+    for name in contexts:
+        out[f"{name}_round_s"] = statistics.median(times[name])
+    if len(contexts) == 2:
+        out["ratio"] = statistics.median(
+            a / b for a, b in zip(times["ray"], times["simulation"]))
     if moved:
         last = moved[-1]
         out.update(
@@ -124,7 +144,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
 def _model(one: dict[str, Any], workers: int, task_seconds: float | None = None) -> float:
     """The cost model fitted on the 1-worker run, predicting `workers` workers (with the
     1-worker run's task seconds, or those given)."""
-    driver = one["round_s"] - one["worker_seconds"]
+    driver = one["ray_round_s"] - one["worker_seconds"]
     depth = math.ceil(math.log2(max(one["tasks"] * workers, 2)))
     seconds = one["worker_seconds"] if task_seconds is None else task_seconds
     return driver + seconds / workers + 0.005 * depth
@@ -144,36 +164,42 @@ def main() -> None:
         int(c) for c in args.cohorts.split(",")]
     results = []
     for cohort in cohorts:
-        rounds = 1 if args.quick or cohort >= 10000 else 3
-        for runtime, workers in (("simulation", 0), ("ray", 1), ("ray", 2)):
+        rounds = 1 if args.quick else 3 if cohort < 10000 else 2
+        configs = [("paired", 1, rounds), ("paired", 2, rounds),
+                   ("simulation", 0, 1), ("ray", 2, 1)]
+        for runtime, workers, n in configs:
             cfg = {"runtime": runtime, "workers": workers, "cohort": cohort,
-                   "warmup": 1, "rounds": rounds}
+                   "warmup": 1, "rounds": n}
             print(f"running {cfg} ...", file=sys.stderr, flush=True)
             results.append(run(cfg))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"machine: {os.cpu_count()} cores (shared), python {sys.version.split()[0]}\n")
-    print("| cohort | runtime | round s | ratio to simulation | driver peak RSS MiB | "
-          "MB to workers / round | MB from workers / round | MB between workers / round | "
-          "tasks | worker task s | model s (fit on 1 worker) | model s (this run's task s) |")
+    print("Round times, the two runtimes alternating round by round in one process:\n")
+    print("| cohort | Ray workers | simulation round s | Ray round s | Ray / simulation "
+          "(median of paired rounds) | MB to workers / round | MB from workers / round | "
+          "MB between workers / round | tasks | worker task s | model s (fit on 1 worker) | "
+          "model s (this run's task s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for cohort in cohorts:
         rows = [r for r in results if r["cohort"] == cohort]
-        base = next(r for r in rows if r["runtime"] == "simulation")
-        one = next(r for r in rows if r["runtime"] == "ray" and r["workers"] == 1)
+        one = next(r for r in rows if r["runtime"] == "paired" and r["workers"] == 1)
         for r in rows:
-            name = "simulation" if r["runtime"] == "simulation" else f"ray, {r['workers']} worker{'s' if r['workers'] > 1 else ''}"
-            ray_cols = ["-"] * 7
-            if r["runtime"] == "ray":
-                ray_cols = [
-                    f"{r['to_workers'] / 1e6:.3f}", f"{r['from_workers'] / 1e6:.3f}",
-                    f"{r['between_workers'] / 1e6:.3f}", str(r["tasks"]),
-                    f"{r['worker_seconds']:.2f}", f"{_model(one, r['workers']):.2f}",
-                    f"{_model(one, r['workers'], r['worker_seconds']):.2f}",
-                ]
-            print(f"| {cohort:,} | {name} | {r['round_s']:.2f} | "
-                  f"{r['round_s'] / base['round_s']:.2f}x | {r['peak_rss_mib']:.0f} | "
-                  + " | ".join(ray_cols) + " |")
+            if r["runtime"] != "paired":
+                continue
+            print(f"| {cohort:,} | {r['workers']} | {r['simulation_round_s']:.2f} | "
+                  f"{r['ray_round_s']:.2f} | {r['ratio']:.2f}x | {r['to_workers'] / 1e6:.3f} | "
+                  f"{r['from_workers'] / 1e6:.3f} | {r['between_workers'] / 1e6:.3f} | "
+                  f"{r['tasks']} | {r['worker_seconds']:.2f} | {_model(one, r['workers']):.2f} | "
+                  f"{_model(one, r['workers'], r['worker_seconds']):.2f} |")
+    print("\nPeak RSS of the driver, each runtime alone in its process:\n")
+    print("| cohort | simulation MiB | Ray driver (2 workers) MiB |")
+    print("|---|---|---|")
+    for cohort in cohorts:
+        rows = [r for r in results if r["cohort"] == cohort]
+        sim_rss = next(r for r in rows if r["runtime"] == "simulation")["peak_rss_mib"]
+        ray_rss = next(r for r in rows if r["runtime"] == "ray")["peak_rss_mib"]
+        print(f"| {cohort:,} | {sim_rss:.0f} | {ray_rss:.0f} |")
 
 
 if __name__ == "__main__":
