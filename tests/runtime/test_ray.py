@@ -212,6 +212,17 @@ def test_ray_context_uses_a_running_instance_and_leaves_it_running():
     assert isinstance(ctx, RayContext) and ray.is_initialized()
 
 
+def test_contexts_with_other_numbers_of_workers_take_turns_with_the_cpus():
+    @fl.federated_computation(fl.type_at_clients(np.float32))
+    def total(x):
+        return fl.federated_sum(x)
+
+    # the session has 2 CPUs: a pool of 1 actor and one of 2 cannot both hold them
+    for workers in (1, 2):
+        with context.with_context(RayContext(num_workers=workers)):
+            assert total([1.0, 2.0, 3.0]) == 6.0
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="num_workers"):
         RayContext(num_workers=0)

@@ -142,8 +142,13 @@ def _session() -> str:
 
 
 def _pool(num_workers: int, num_gpus: float) -> _Pool:
-    key = (_session(), num_workers, num_gpus)
+    session = _session()
+    key = (session, num_workers, num_gpus)
     if key not in _POOLS:
+        # One pool per session at a time: another pool's actors hold the CPUs (or GPUs)
+        # this one needs, and Ray would wait for them forever.
+        for other in [k for k in _POOLS if k[0] == session]:
+            _POOLS.pop(other).close()
         _POOLS[key] = _Pool(num_workers, num_gpus)
     return _POOLS[key]
 
@@ -266,8 +271,9 @@ class RayContext(simulation.SimulationContext):
         return _pool(count, 1 if use_gpus else 0)
 
     def compute(self, spec: ray_wave.WaveSpec, sources: ray_wave.Portable, n: int) -> list[list[Any]]:
-        """The partials of a wave over `n` clients, to merge in order: normally one list
-        (the root of the merge tree), one per aggregation (module docstring)."""
+        """A wave's partials over `n` clients (lists of one partial per aggregation), to
+        merge in order: normally one, the merge tree's root; the tasks' partials when an
+        actor died while merging."""
         import ray
 
         pool = self.workers()
