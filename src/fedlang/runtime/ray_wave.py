@@ -319,9 +319,9 @@ class Worker:
         spec = self._spec(spec_key, spec_ref, fn_refs)
         if spec.hook is not None:
             spec.hook(task)
-        values = self._loads(slices, fn_refs)
         n = stop - start
         try:
+            values = self._loads(slices, fn_refs)
             run = simulation.Run(self._context(spec.options), n)
             memo: dict[int, Any] = {}
             inputs = [_rebuild(node, run, values, memo) for node in spec.inputs]
