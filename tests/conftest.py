@@ -4,6 +4,7 @@ import importlib.util
 import os
 import pathlib
 import types
+import warnings
 
 # Keras must run on JAX; set before anything imports keras.
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -48,7 +49,10 @@ def ray_session():
     ray = pytest.importorskip("ray")
     from fedlang.runtime import ray_runtime
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with warnings.catch_warnings():
+        # Ray starts its processes with fork + exec; JAX, already running, warns of forks.
+        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:

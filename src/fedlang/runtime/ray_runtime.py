@@ -36,6 +36,7 @@ import os
 import pickle
 import sys
 import uuid
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -427,7 +428,10 @@ def ray_context(
             init["num_cpus"] = num_cpus
         else:
             init["address"] = address
-        ray.init(**init)
+        with warnings.catch_warnings():
+            # Ray starts its processes with fork + exec; JAX, if running, warns of forks.
+            warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+            ray.init(**init)
     ctx = RayContext(
         simulation.Options(**options),
         num_workers=num_workers,
