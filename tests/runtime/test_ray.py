@@ -152,6 +152,33 @@ def test_an_actor_that_dies_mid_round_has_its_task_rerun(tmp_path):
     _assert_close(again, got)
 
 
+def test_an_actor_that_dies_while_merging_leaves_the_merge_to_the_driver(tmp_path):
+    data = _datasets(_write_store(tmp_path / "store", num_clients=10))
+    marker = tmp_path / "died"
+    normal = RayContext(num_workers=2, strategy="loop")
+    dying = RayContext(num_workers=2, strategy="loop",
+                       task_hook=functools.partial(_exit_once_merging, str(marker)))
+
+    with context.with_context(normal):
+        fed_round(W0, data)
+    with context.with_context(dying):
+        got = fed_round(W0, data)
+    with context.with_context(normal):
+        again = fed_round(W0, data)  # the dead actor was replaced
+
+    assert marker.exists()
+    # the driver received the 4 task partials instead of the merge tree's root
+    assert dying.last_transfers.from_workers > 3 * normal.last_transfers.from_workers
+    _assert_close(got, _reference(W0, data))
+    _assert_close(again, got)
+
+
+def _exit_once_merging(marker: str, task: int) -> None:
+    if task == -1 and not os.path.exists(marker):
+        pathlib.Path(marker).touch()
+        os._exit(1)
+
+
 def _exit_on_first_task(task: int) -> None:
     if task == 0:
         os._exit(1)

@@ -213,8 +213,8 @@ class RayContext(simulation.SimulationContext):
       tasks_per_worker: tasks a wave's cohort is cut into, per worker (more balance the
         load and lose less work to a dead actor; fewer send fewer partials).
       max_retries: tasks re-run after their actor died before the wave fails.
-      task_hook: `hook(task_index)` called on the worker before each task (for fault
-        injection in tests; None in normal use).
+      task_hook: `hook(task_index)` called on the worker before each task, and
+        `hook(-1)` before each merge (for fault injection in tests; None normally).
     """
 
     name = "ray"

@@ -346,6 +346,8 @@ class Worker:
         from ray import cloudpickle
 
         spec = self._spec(spec_key, spec_ref, fn_refs)
+        if spec.hook is not None:
+            spec.hook(-1)
         run = simulation.Run(self._context(spec.options), None)
         accs = [make_accumulator(a, run) for a in spec.aggregations]
         for part in (left, right):
