@@ -4,6 +4,7 @@ import importlib.util
 import os
 import pathlib
 import types
+import warnings
 
 # Keras must run on JAX; set before anything imports keras.
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -12,7 +13,7 @@ import jax
 import pytest
 
 from fedlang.core import context
-from fedlang.runtime import ReferenceContext, SimulationContext
+from fedlang.runtime import RayContext, ReferenceContext, SimulationContext
 
 # Implicit dtype promotion hides bugs (float32 * float64 -> float64 silently): forbid it.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -34,7 +35,29 @@ RUNTIMES = {
     "simulation-vmap": lambda num_clients=None: SimulationContext(
         chunk_size=5, strategy="vmap", vmap_width=2, num_clients=num_clients
     ),
+    # Two actors on the session's local Ray instance (`ray_session`), small chunks and
+    # tasks, so a wave has several tasks and its partials meet in a merge tree.
+    "ray": lambda num_clients=None: RayContext(
+        chunk_size=2, num_workers=2, tasks_per_worker=2, num_clients=num_clients
+    ),
 }
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance (2 CPUs) for the whole test session, started on first use."""
+    ray = pytest.importorskip("ray")
+    from fedlang.runtime import ray_runtime
+
+    with warnings.catch_warnings():
+        # Ray starts its processes with fork + exec; JAX, already running, warns of forks.
+        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray_runtime.close_pools()
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -52,6 +75,8 @@ def _decision_cache_in_tmp(tmp_path_factory):
 @pytest.fixture(params=list(RUNTIMES))
 def runtime(request):
     """Makes each runtime the default in turn; yields a factory `make(num_clients=None)`."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
     make = RUNTIMES[request.param]
     previous = context.get_default_context()
     context.set_default_context(make())

@@ -1,7 +1,8 @@
 """Runtimes that execute computations.
 
 `reference_context()` is the interpreter every other runtime is checked against;
-`simulation_context()` the fast, memory-bounded one (the default). Each is a strategy
+`simulation_context()` the fast, memory-bounded one (the default); `ray_context()`
+the simulation runtime with each wave's clients on Ray actors (the `ray` extra). Each is a strategy
 table over the intrinsic registry (see docs/architecture.md).
 """
 
@@ -11,6 +12,8 @@ import contextlib
 from collections.abc import Iterator
 
 from fedlang.core import context as _context
+from fedlang.runtime.ray_runtime import RayContext as RayContext
+from fedlang.runtime.ray_runtime import ray_context as ray_context
 from fedlang.runtime.reference import ReferenceContext as ReferenceContext
 from fedlang.runtime.simulation import Options as Options
 from fedlang.runtime.simulation import SimulationContext as SimulationContext

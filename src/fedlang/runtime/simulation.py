@@ -532,6 +532,11 @@ class SimulationContext:
             size = min(size, 32 if on_cpu else 128)
         return size
 
+    def make_run(self, n: int | None) -> Run:
+        """The evaluation of one invocation (runtimes that compute waves elsewhere, such
+        as the Ray runtime, return a `Run` subclass overriding `compute_wave`)."""
+        return Run(self, n)
+
     def invoke(self, comp: computation.Computation, arg: Any) -> Any:
         reference.check_runtime_supports(self, comp)
         counters.start()
@@ -539,7 +544,7 @@ class SimulationContext:
         t = comp.type_signature
         n = reference.infer_num_clients(arg, t.parameter, self.options.num_clients)
         internal = reference.to_internal(arg, t.parameter, n)
-        run = Run(self, n)
+        run = self.make_run(n)
         internal = _as_lazy(internal, t.parameter)
         node = comp.to_ir()
         fn = run.eval(node, {}) if isinstance(node, ir.Lambda) else node.computation  # type: ignore[attr-defined]
