@@ -147,12 +147,23 @@ def server_factory(tmp_path):
         s.stop()
 
 
+def wait_for(predicate, what, timeout=120.0):
+    """`predicate()`'s first true value, polled every 50 ms; fails after `timeout` s."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 class ServerProcess:
     """`fedlang serve` as a process (to kill -9 and restart on the same database)."""
 
-    def __init__(self, db, tmp_path, admin_token="admin-token", min_retry=0.05):
+    def __init__(self, db, tmp_path, admin_token="admin-token", min_retry=0.05, extra_args=()):
         self.db, self.port, self.admin_token = str(db), _free_port(), admin_token
-        self.min_retry = min_retry
+        self.min_retry, self.extra_args = min_retry, list(extra_args)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / "server.log"
         self.proc = None
@@ -162,7 +173,7 @@ class ServerProcess:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "fedlang", "serve", "--db", self.db, "--port", str(self.port),
-                 "--min-retry", str(self.min_retry)],
+                 "--min-retry", str(self.min_retry), *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
         end = time.monotonic() + 60

@@ -22,7 +22,7 @@ from fedlang import deploy
 from fedlang.core import serialization
 from fedlang.deploy import async_store, store
 
-from .conftest import ROOT, _free_port
+from .conftest import ROOT, _free_port, wait_for
 
 EXAMPLE = ROOT / "examples" / "deploy_fedbuff.py"
 K, STEPS = 3, 4
@@ -51,15 +51,6 @@ def _status(url):
         return httpx.get(f"{url}/v1/status", timeout=5).json()["sessions"][0]
     return None
 
-
-def _wait_for(predicate, what, timeout=180.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class ServeProcess:
@@ -96,8 +87,8 @@ def test_a_killed_server_and_driver_lose_no_accepted_report(db_url, tmp_path, cl
     served = ServeProcess(db_url if "://" in db_url and not db_url.startswith("sqlite")
                           else db_url.removeprefix("sqlite:///"), tmp_path).start()
     try:
-        token = _wait_for(lambda: re.search(r"population digits token: (\S+)",
-                                            served.log.read_text()), "the token")[1]
+        token = wait_for(lambda: re.search(r"population digits token: (\S+)",
+                                            served.log.read_text()), "the token", 180)[1]
         for i, c in enumerate(clients[:6]):
             batches = [{"x": c["x"][j:j + 20], "y": c["y"][j:j + 20]}
                        for j in range(0, len(c["y"]), 20)]
@@ -105,8 +96,8 @@ def test_a_killed_server_and_driver_lose_no_accepted_report(db_url, tmp_path, cl
                                          {"train": SlowList(batches, i)}, patience=180,
                                          backoff=(0.05, 0.5)))
         # kill -9 mid-buffer: a version published and reports waiting in the next buffer
-        _wait_for(lambda: (s := _status(served.url)) and s["version"] >= 1
-                  and s["buffer_fill"] >= 1, "a buffer being filled")
+        wait_for(lambda: (s := _status(served.url)) and s["version"] >= 1
+                  and s["buffer_fill"] >= 1, "a buffer being filled", 180)
         served.kill()
         st = store.Store(db_url)
         s = async_store.Sessions(st).sessions()[0]
@@ -115,7 +106,7 @@ def test_a_killed_server_and_driver_lose_no_accepted_report(db_url, tmp_path, cl
         st.close()
         time.sleep(0.5)  # clients retry while the server is down
         served.start()
-        _wait_for(lambda: served.proc.poll() is not None, "the driver's last step", 600)
+        wait_for(lambda: served.proc.poll() is not None, "the driver's last step", 600)
         log = served.log.read_text()
         assert served.proc.returncode == 0, log
         assert f"resumed at version {version} after report {applied};" in log, log

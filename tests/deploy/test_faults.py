@@ -16,17 +16,7 @@ from fedlang import deploy
 from fedlang.core import context
 from fedlang.deploy import http
 
-from .conftest import ROOT, Gated, batch_sum
-
-
-def _wait_for(predicate, what, timeout=120.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+from .conftest import ROOT, Gated, batch_sum, wait_for
 
 
 def _round(url, token):
@@ -67,10 +57,10 @@ def test_a_killed_server_restarts_and_counts_every_report_once(
     driver = threading.Thread(target=drive)
     driver.start()
     try:
-        _wait_for(lambda: (r := _round(server.url, token)) and r["assigned"] == n, "assignments")
+        wait_for(lambda: (r := _round(server.url, token)) and r["assigned"] == n, "assignments")
         for g in gates[:3]:  # half the clients report before the crash
             g.release.set()
-        _wait_for(lambda: _round(server.url, token)["reports"] == 3, "three reports")
+        wait_for(lambda: _round(server.url, token)["reports"] == 3, "three reports")
         server.kill()
         for g in gates[3:]:  # the others finish while the server is down, and retry
             g.release.set()
@@ -138,7 +128,7 @@ def test_a_round_closes_at_its_quorum_when_clients_are_killed(tmp_path, server_p
 
         driver = threading.Thread(target=drive)
         driver.start()
-        _wait_for(lambda: (r := _round(server.url, token)) and r["assigned"] == n, "assignments")
+        wait_for(lambda: (r := _round(server.url, token)) and r["assigned"] == n, "assignments")
         for p in procs[:killed]:
             os.killpg(p.pid, signal.SIGKILL)
         driver.join(timeout=180)

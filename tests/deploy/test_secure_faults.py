@@ -23,7 +23,7 @@ from fedlang.deploy import client as client_lib
 from fedlang.deploy import http
 from fedlang.deploy import store as store_lib
 
-from .conftest import ROOT
+from .conftest import ROOT, wait_for
 
 ROWS = fl.to_type({"n": fl.TensorType(np.int32, [None])})
 
@@ -46,15 +46,6 @@ def secure_and_plain(data):
         "plain": fl.federated_sum(ints),
     }
 
-
-def _wait_for(predicate, what, timeout=120.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Clients:
@@ -130,7 +121,7 @@ def _assert_equal(got, want):
 
 
 def _enrolled(admin, n):
-    return _wait_for(lambda: admin.populations()[0]["clients"] >= n, f"{n} enrollments")
+    return wait_for(lambda: admin.populations()[0]["clients"] >= n, f"{n} enrollments")
 
 
 @pytest.mark.slow
@@ -161,7 +152,7 @@ def test_secure_rounds_on_client_processes_equal_the_simulation_and_survive_kill
             n += 2
             _enrolled(admin, n)
             driver = Driver(server, **options)
-            _wait_for(lambda g=gate, s=stage: g.waiting[s] == 2, f"the victims at stage {stage}")
+            wait_for(lambda g=gate, s=stage: g.waiting[s] == 2, f"the victims at stage {stage}")
             clients.kill(*victims)
             done = driver.join()
             assert "error" not in done, done
@@ -176,7 +167,7 @@ def test_secure_rounds_on_client_processes_equal_the_simulation_and_survive_kill
         victims = [clients.start(i, gate.url) for i in (n, n + 1, n + 2)]
         _enrolled(admin, n + 3)
         driver = Driver(server, **{**options, "target": 6})
-        _wait_for(lambda: gate.waiting[2] == 3, "the victims at stage 2")
+        wait_for(lambda: gate.waiting[2] == 3, "the victims at stage 2")
         clients.kill(*victims)
         done = driver.join()
         assert isinstance(done.get("error"), http.RoundFailedError), done
@@ -214,16 +205,16 @@ def test_a_server_killed_between_stages_and_amid_masked_inputs_continues_the_rou
         _enrolled(admin, 5)
         driver = Driver(server, target=5, deadline=200, stage_timeout=60)
         # Between stages: every key is in, stage 2 is open and none of its messages arrived.
-        _wait_for(lambda: gate.waiting[2] == 5, "five share messages")
+        wait_for(lambda: gate.waiting[2] == 5, "five share messages")
         assert admin.status()["rounds"][0]["stage"] == 2
         server.kill()
         gate.release(2)  # they meet a dead server (502) and retry
         time.sleep(0.5)
         server.start()
         # In the middle of the masked inputs: two are in when the server dies.
-        _wait_for(lambda: gate.waiting[3] == 5, "five masked inputs")
+        wait_for(lambda: gate.waiting[3] == 5, "five masked inputs")
         gate.release(3, 2)
-        _wait_for(lambda: admin.status()["rounds"][0]["reports"] == 2, "two masked inputs")
+        wait_for(lambda: admin.status()["rounds"][0]["reports"] == 2, "two masked inputs")
         server.kill()
         gate.release(3)
         time.sleep(0.5)

@@ -350,3 +350,24 @@ def walk(node: Node) -> Iterator[Node]:
         n = stack.pop()
         yield n
         stack.extend(reversed(list(n.children())))
+
+
+def free_references(node: Node, bound: frozenset[str] = frozenset()) -> set[str]:
+    """The names `node` uses from its environment (not bound by a lambda or block in it).
+
+    A runtime that ships a closure elsewhere (a client task, a Ray actor) sends only
+    these names' values.
+    """
+    if isinstance(node, Reference):
+        return set() if node.name in bound else {node.name}
+    if isinstance(node, Lambda):
+        inner = bound | ({node.parameter_name} if node.parameter_name else set())
+        return free_references(node.result, frozenset(inner))
+    if isinstance(node, Block):
+        free: set[str] = set()
+        scope = set(bound)
+        for name, value in node.locals:
+            free |= free_references(value, frozenset(scope))
+            scope.add(name)
+        return free | free_references(node.result, frozenset(scope))
+    return {n for child in node.children() for n in free_references(child, bound)}

@@ -330,7 +330,7 @@ class _TaskBuilder:
 def _function_node(fn: Any) -> ir.Node:
     """The IR of a function value mapped at the clients; it must be self-contained."""
     if isinstance(fn, reference.Closure):
-        free = _free_references(fn.fn)
+        free = ir.free_references(fn.fn)
         if free:
             raise DeploymentError(
                 f"A function mapped at the clients refers to {sorted(free)} of its enclosing "
@@ -339,22 +339,6 @@ def _function_node(fn: Any) -> ir.Node:
             )
         return fn.fn
     return ir.Local(fn)
-
-
-def _free_references(node: ir.Node, bound: frozenset[str] = frozenset()) -> set[str]:
-    if isinstance(node, ir.Reference):
-        return set() if node.name in bound else {node.name}
-    if isinstance(node, ir.Lambda):
-        inner = bound | ({node.parameter_name} if node.parameter_name else set())
-        return _free_references(node.result, frozenset(inner))
-    if isinstance(node, ir.Block):
-        free: set[str] = set()
-        scope = set(bound)
-        for name, value in node.locals:
-            free |= _free_references(value, frozenset(scope))
-            scope.add(name)
-        return free | _free_references(node.result, frozenset(scope))
-    return {n for child in node.children() for n in _free_references(child, bound)}
 
 
 def build(aggregations: list[Any]) -> tuple[RoundPlan, Any]:

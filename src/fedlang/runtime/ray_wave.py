@@ -134,26 +134,9 @@ class Portable:
         if isinstance(v, tuple):
             return tuple(self.value(x) for x in v)
         if isinstance(v, reference.Closure):
-            free = _free_references(v.fn)
+            free = ir.free_references(v.fn)
             return reference.Closure(v.fn, {k: self.value(v.env[k]) for k in free if k in v.env})
         return v
-
-
-def _free_references(node: ir.Node, bound: frozenset[str] = frozenset()) -> set[str]:
-    """The names `node` uses from its environment (a closure ships only those)."""
-    if isinstance(node, ir.Reference):
-        return set() if node.name in bound else {node.name}
-    if isinstance(node, ir.Lambda):
-        inner = bound | ({node.parameter_name} if node.parameter_name else set())
-        return _free_references(node.result, frozenset(inner))
-    if isinstance(node, ir.Block):
-        free: set[str] = set()
-        scope = set(bound)
-        for name, value in node.locals:
-            free |= _free_references(value, frozenset(scope))
-            scope.add(name)
-        return free | _free_references(node.result, frozenset(scope))
-    return {n for child in node.children() for n in _free_references(child, bound)}
 
 
 def aggregation_spec(a: simulation.AggThunk) -> AggSpec:

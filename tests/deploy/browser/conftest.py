@@ -7,15 +7,9 @@ download its own browsers here). Tests that need it are skipped, saying why, onl
 it could not be installed.
 """
 
-import contextlib
 import os
 import pathlib
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -160,46 +154,7 @@ def browser_tasks():
     return browser.BrowserTasks()
 
 
-class ServeProcess:
-    """`fedlang serve --browser` as a process, to kill -9 and restart on the same database
-    and port."""
-
-    def __init__(self, db, log):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.db, self.log, self.proc = str(db), log, None
-        self.url, self.admin_token = f"http://127.0.0.1:{self.port}", "admin-token"
-
-    def start(self):
-        import httpx
-
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"),
-               "FEDLANG_ADMIN_TOKEN": self.admin_token}
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "fedlang", "serve", "--db", self.db, "--port",
-                 str(self.port), "--min-retry", "0.05", "--browser"],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            )
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            assert self.proc.poll() is None, self.log.read_text()
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/v1/status", timeout=2).status_code == 200:
-                    return self
-            time.sleep(0.1)
-        raise AssertionError(f"the server did not start:\n{self.log.read_text()}")
-
-    def kill(self):
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-
 @pytest.fixture
-def serve_process(tmp_path):
+def serve_process(server_process, tmp_path):
     """A `fedlang serve --browser` process (killed at the end of the test)."""
-    server = ServeProcess(tmp_path / "store.db", tmp_path / "server.log")
-    yield server
-    server.kill()
+    return server_process(tmp_path / "store.db", extra_args=["--browser"])
