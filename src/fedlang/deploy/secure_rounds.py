@@ -411,18 +411,7 @@ class SecureRounds:
             f"Secure round {r.id} failed when stage {int(stage)} ({stage_name(stage)}) closed: "
             f"{reason}"
         )
-        dropped = tx.run(
-            "UPDATE assignments SET state = 'dropped', updated = ? WHERE round = ?"
-            " AND state = 'assigned'",
-            (now, r.id),
-        )
-        tx.run(
-            "UPDATE rounds SET state = ?, closed = ?, dropped = dropped + ?, failure = ?"
-            " WHERE id = ?",
-            (store_lib.FAILED, now, dropped, failure, r.id),
-        )
-        tx.count("dropouts", dropped)
-        tx.count(f"rounds:{store_lib.FAILED}")
+        store_lib.end_round(tx, r.id, store_lib.FAILED, failure, now)
         # Nothing of the protocol is kept: no share is asked for or revealed any more.
         tx.run("DELETE FROM secure_requests WHERE round = ?", (r.id,))
         tx.run(

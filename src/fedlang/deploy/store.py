@@ -209,6 +209,23 @@ def _hash(secret: str) -> str:
 # The store
 
 
+def end_round(tx: sql.Tx, round_id: int, state: str, failure: str, now: float) -> None:
+    """Ends a round in `state` (CLOSED or FAILED): its clients still assigned count as
+    dropped, and the store's counters record the dropouts and the outcome."""
+    dropped = tx.run(
+        "UPDATE assignments SET state = 'dropped', updated = ? WHERE round = ?"
+        " AND state = 'assigned'",
+        (now, round_id),
+    )
+    tx.run(
+        "UPDATE rounds SET state = ?, closed = ?, dropped = dropped + ?, failure = ?"
+        " WHERE id = ?",
+        (state, now, dropped, failure, round_id),
+    )
+    tx.count("dropouts", dropped)
+    tx.count(f"rounds:{state}")
+
+
 class Store:
     """The task store on a database (see the module docstring).
 
@@ -508,18 +525,7 @@ class Store:
                 f"arrived before its deadline ({r.deadline - r.created:g} s; {r.assigned} clients "
                 "were assigned). Enroll more clients, lower the quorum or give a later deadline."
             )
-        dropped = tx.run(
-            "UPDATE assignments SET state = 'dropped', updated = ? WHERE round = ?"
-            " AND state = 'assigned'",
-            (now, r.id),
-        )
-        tx.run(
-            "UPDATE rounds SET state = ?, closed = ?, dropped = dropped + ?, failure = ?"
-            " WHERE id = ?",
-            (state, now, dropped, failure, r.id),
-        )
-        tx.count("dropouts", dropped)
-        tx.count(f"rounds:{state}")
+        end_round(tx, r.id, state, failure, now)
 
     def close_due_rounds(self) -> int:
         """Closes or fails the open aggregate rounds whose deadline passed; returns how
