@@ -9,6 +9,9 @@ from the aggregators' accountant. See docs/analytics.md.
 """
 
 from fedlang.analytics import data as data
+from fedlang.analytics import trie as trie
+from fedlang.analytics.count_distinct import build_count_distinct as build_count_distinct
+from fedlang.analytics.count_distinct import count_distinct as count_distinct
 from fedlang.analytics.histograms import Histogram as Histogram
 from fedlang.analytics.histograms import Quantiles as Quantiles
 from fedlang.analytics.histograms import build_category_histogram as build_category_histogram
@@ -20,8 +23,13 @@ from fedlang.analytics.histograms import histogram as histogram
 from fedlang.analytics.histograms import quantiles as quantiles
 from fedlang.analytics.histograms import string_histogram as string_histogram
 from fedlang.analytics.histograms import tree_quantiles as tree_quantiles
+from fedlang.analytics.iblt import IBLT as IBLT
+from fedlang.analytics.iblt import iblt_heavy_hitters as iblt_heavy_hitters
 from fedlang.analytics.privacy import Privacy as Privacy
 from fedlang.analytics.privacy import Spent as Spent
 from fedlang.analytics.statistics import Statistics as Statistics
 from fedlang.analytics.statistics import build_statistics as build_statistics
 from fedlang.analytics.statistics import statistics as statistics
+from fedlang.analytics.trie import HeavyHitters as HeavyHitters
+from fedlang.analytics.trie import TrieHH as TrieHH
+from fedlang.analytics.trie import triehh as triehh

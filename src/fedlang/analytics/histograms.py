@@ -259,7 +259,7 @@ def build_tree_histogram(
     """The hierarchical histogram: counts of every node of a binary tree over
     `[lower, upper]` with `2**depth` equal leaves, stored level by level (root first).
 
-    Records are clamped to `[lower, upper]`. One record adds 1 to one node per level,
+    Records are clamped to `[lower, upper]` (NaN records are skipped). One record adds 1 to one node per level,
     so with DP a client of `n` records adds a vector of L2 norm at most
     `n * sqrt(depth + 1)`.
 
@@ -279,7 +279,8 @@ def build_tree_histogram(
         def step(state, batch, mask):
             x = jnp.clip(batch, lo, hi)
             leaf = jnp.clip(jnp.floor((x - lo) / (hi - lo) * leaves), 0, leaves - 1).astype(jnp.int32)
-            return state.at[leaf].add(mask.astype(jnp.int32))
+            keep = (mask > 0) & ~jnp.isnan(batch)
+            return state.at[leaf].add(keep.astype(jnp.int32))
 
         counts = dataset.reduce(jnp.zeros(leaves, jnp.int32), step, masked=True)
         levels = [counts]
