@@ -60,7 +60,10 @@ class HeavyHitters(NamedTuple):
 
 
 def _prefix_hashes(prefixes: list[bytes], max_len: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    table = np.zeros((capacity, len(PREFIX_SEEDS)), np.uint32)
+    """The prefixes' two hashes (`uint32[capacity, 2]`, padded with all-ones rows) and
+    which rows are real. Callers pass prefixes sorted by `sort_by_hash`, so that the
+    first hashes are ascending and clients can look them up with `searchsorted`."""
+    table = np.full((capacity, len(PREFIX_SEEDS)), 0xFFFFFFFF, np.uint32)
     valid = np.zeros(capacity, np.bool_)
     if prefixes:
         raw = np.zeros((len(prefixes), max_len), np.uint8)
@@ -73,6 +76,14 @@ def _prefix_hashes(prefixes: list[bytes], max_len: int, capacity: int) -> tuple[
         )
         valid[: len(prefixes)] = True
     return table, valid
+
+
+def sort_by_hash(prefixes: list[bytes], max_len: int) -> list[bytes]:
+    """`prefixes` ordered by their first hash (the order of the vote rows)."""
+    if not prefixes:
+        return []
+    table, _ = _prefix_hashes(prefixes, max_len, len(prefixes))
+    return [prefixes[i] for i in np.argsort(table[:, 0], kind="stable")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,11 +142,15 @@ class TrieHH:
 
             def cells(batch, mask):
                 b, n = batch["bytes"], batch["length"]
-                h = jnp.stack([strings.hash_bytes(b, jnp.minimum(n, r), s) for s in PREFIX_SEEDS], -1)
-                match = jnp.all(h[:, None, :] == trie["prefixes"][None], -1) & trie["valid"][None]
-                ok = match.any(1) & (n >= r) & (mask > 0)
+                pl = jnp.minimum(n, r)
+                h1 = strings.hash_bytes(b, pl, PREFIX_SEEDS[0])
+                h2 = strings.hash_bytes(b, pl, PREFIX_SEEDS[1])
+                table = trie["prefixes"]
+                row = jnp.clip(jnp.searchsorted(table[:, 0], h1), 0, k - 1).astype(jnp.int32)
+                match = (table[row, 0] == h1) & (table[row, 1] == h2) & trie["valid"][row]
+                ok = match & (n >= r) & (mask > 0)
                 ext = jnp.where(n > r, b[:, jnp.clip(r, 0, width - 1)].astype(jnp.int32), END)
-                return jnp.argmax(match, 1).astype(jnp.int32) * EXTENSIONS + ext, ok, b, n
+                return row * EXTENSIONS + ext, ok, b, n
 
             if not one:
                 def step(state, batch, mask):
@@ -212,6 +227,7 @@ class TrieHH:
         for r in range(width + 1):
             if not live:
                 break
+            live = sort_by_hash(live, width)
             table, valid = _prefix_hashes(live, width, cap)
             trie = {"prefixes": table, "valid": valid, "length": np.int32(r),
                     "seed": np.uint32((self.seed * 1000003 + r) % 2**32)}

@@ -71,9 +71,9 @@ def encode(values: Any, max_len: int) -> EncodedStrings:
     Example:
       >>> e = encode(["ab", "héllo"], max_len=4)
       >>> e.bytes.shape, e.lengths.tolist(), e.truncated
-      ((2, 4), [2, 3], 1)
+      ((2, 4), [2, 4], 1)
       >>> decode(e.bytes, e.lengths).tolist()
-      ['ab', 'hé']
+      ['ab', 'hél']
     """
     if isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < 1:
         raise ValueError(f"Expected max_len to be a positive integer, found {max_len!r}.")
