@@ -49,7 +49,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> None:
 
 def heavy_hitters(quick: bool) -> list[dict[str, Any]]:
     clients_n, vocab, k = (600, 3000, 20) if quick else (10_000, 50_000, 100)
-    max_len, prefixes = 10, (256 if quick else 1024)
+    max_len, prefixes = 10, 256
     clients = wf.make_clients(clients_n, vocab)
     truth = set(wf.true_top(clients, k))
     encoded = analytics.data.encode_clients(clients, max_len)
@@ -149,7 +149,7 @@ def cohort_child(cohort: int, method: str) -> dict[str, Any]:
             algo = analytics.TrieHH(max_len=10, max_prefixes=512)
             comp, state = algo.round_computation()
             live = analytics.trie.sort_by_hash([bytes([c]) for c in b"etaoinshrd"], 10)
-            table, valid = analytics.trie._prefix_hashes(live, 10, 512)
+            table, valid = analytics.trie.prefix_table(live, 10, 512)
             arg = {"prefixes": table, "valid": valid, "length": np.int32(1), "seed": np.uint32(0)}
 
             def run(datasets: list[Any]) -> Any:

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-words", type=int, default=200)
     parser.add_argument("--top-k", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=10, help="bytes per word (longer: cut)")
-    parser.add_argument("--max-prefixes", type=int, default=1024)
+    parser.add_argument("--max-prefixes", type=int, default=256)
     parser.add_argument("--capacity", type=int, default=None,
                         help="IBLT capacity (default: the vocabulary size)")
     parser.add_argument("--epsilon", type=float, default=math.inf)

@@ -36,7 +36,7 @@ def test_peel_is_linear_in_clients():
     with fl.runtime.reference_context():
         one = np.asarray(algo.sketch_computation()(a), np.int64)
         two = np.asarray(algo.sketch_computation()(b), np.int64)
-    decoded = iblt.peel((one + two) % iblt.PRIME, 4, algo.cells_per_hash)
+    decoded = iblt.peel((one + two) % iblt.MODULUS, 4, algo.cells_per_hash)
     assert dict(zip(decoded.items, decoded.counts.tolist())) == {b"x": 2, b"y": 1}
 
 
@@ -52,3 +52,25 @@ def test_dp_iblt_thresholds_rare_strings_and_accounts():
 def test_bad_settings():
     with pytest.raises(ValueError, match="capacity"):
         analytics.IBLT(capacity=0)
+
+
+def test_secure_sum_gives_the_same_sketch():
+    clients = [["ab", "ab", "c"], ["c", "dd"]]
+    with fl.runtime.reference_context():
+        plain = analytics.iblt_heavy_hitters(clients, max_len=4, capacity=8)
+        secure = analytics.iblt_heavy_hitters(clients, max_len=4, capacity=8, secure=True)
+    assert plain.items == secure.items == ["ab", "c", "dd"]
+    assert plain.counts.tolist() == secure.counts.tolist() == [2.0, 2.0, 1.0]
+
+
+def test_counts_survive_wrapping_modulo_2_32():
+    # 3 million copies of one string: its cells exceed 2^32 only through the bytes
+    # (3e6 * 255 < 2^32 still); a second string in the same cells wraps them.
+    algo = analytics.IBLT(max_len=4, capacity=3)
+    enc = analytics.data.encode_clients([["zz"], ["y"]], 4)
+    with fl.runtime.reference_context():
+        a = np.asarray(algo.sketch_computation()(enc.datasets[0]), np.int64)
+        b = np.asarray(algo.sketch_computation()(enc.datasets[1]), np.int64)
+    total = (a * 3_000_000 + b * 5_000_000) % iblt.MODULUS
+    decoded = iblt.peel(total, 4, algo.cells_per_hash)
+    assert dict(zip(decoded.items, decoded.counts.tolist())) == {b"zz": 3_000_000, b"y": 5_000_000}

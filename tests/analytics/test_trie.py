@@ -47,7 +47,7 @@ def test_dp_vote_noise_has_the_configured_scale():
     privacy = analytics.Privacy(noise_multiplier=0.5, clip=2.0, seed=2)
     algo = analytics.TrieHH(max_len=4, max_prefixes=4, privacy=privacy)
     comp, state = algo.round_computation()
-    table, valid = analytics.trie._prefix_hashes([b""], 4, 4)
+    table, valid = analytics.trie.prefix_table([b""], 4, 4)
     trie_arg = {"prefixes": table, "valid": valid, "length": np.int32(0), "seed": np.uint32(0)}
     with fl.runtime.reference_context():
         out = comp([[]], trie_arg, state)

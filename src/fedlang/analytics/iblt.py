@@ -2,16 +2,18 @@
 
 Each client encodes its strings into an IBLT (Goodrich & Mitzenmacher, "Invertible
 Bloom Lookup Tables", 2011): `3` hash functions each pick a cell in their own third of
-the table, and every cell holds, modulo the prime `P = 2^31 - 1`, the sum over the
-strings placed in it of `[1, check(s), len(s), chunk_1(s), ...]` (the string's UTF-8
-bytes in 16-bit chunks; `check` is a 16-bit hash). The sketch is linear, so the clients'
-sketches are added with `federated_secure_modular_sum` (secure aggregation's modular
-sum): the server only sees the sum, in which a cell holding a single string `s` (seen
-`c` times) reads `c * [1, check(s), len(s), chunks(s)]`. The server *peels*: it divides a
-cell by its count, checks the result is a well-formed string whose hash matches and
-that hashes to that cell, records `(s, c)` and subtracts it from its 3 cells, until no
-cell decodes. Decoding succeeds when the table has about 1.3 cells per distinct string
-or more (`capacity`); the counts are exact.
+the table, and every cell holds the sum over the strings placed in it of
+`[1, length, check_0, check_1, check_2, byte_0, ..., byte_{L-1}]` (`check_i` the 8-bit
+slices of a 24-bit hash). The sketch is linear, so the clients' sketches are added by
+`federated_sum` (as `uint32`, modulo `2^32`; `secure=True` uses
+`federated_secure_modular_sum` with modulus `2^32`, secure aggregation's sum). In the
+sum, a cell holding a single string `s` seen `c` times reads exactly `c * [1, len(s),
+check(s), bytes(s)]` (each entry is below `2^32` when `c < 2^24`, so wrapping never
+loses it). The server *peels*: a cell whose entries all divide by its count into bytes
+(below 256), with zeros past the length, whose check matches and which is one of the
+string's 3 cells, decodes to `(s, c)`; `s` is subtracted from its 3 cells, and so on
+until no cell decodes. Decoding succeeds when the table has about 1.3 cells per
+distinct string or more (`capacity`); the counts are exact.
 
 Privacy: with `Privacy(z, clip)` a second round counts the decoded strings again with a
 DP sum (each client's vector of counts over the candidates, clipped to L2 norm `clip`,
@@ -37,7 +39,8 @@ from fedlang.backends.jax import computation as jax_backend
 from fedlang.backends.jax import strings
 from fedlang.core import computation, operators, tracing, types
 
-PRIME = 2**31 - 1
+MODULUS = 2**32
+MAX_COUNT = 2**24  # c * 255 and c * max_len stay below 2^32
 NUM_HASHES = 3
 CELL_SEEDS = (0x1B17, 0x1B18, 0x1B19)
 CHECK_SEED = 0xC4EC
@@ -52,10 +55,6 @@ class Decoded(NamedTuple):
     undecoded_cells: int
 
 
-def _chunks(width: int) -> int:
-    return (width + 1) // 2
-
-
 @dataclasses.dataclass(frozen=True)
 class IBLT:
     """The IBLT heavy-hitters method (see the module docstring).
@@ -66,12 +65,14 @@ class IBLT:
       threshold: the noisy count a string needs to be released with DP (default
         `4 * z * clip`); without DP every decoded string is returned.
       privacy: a `Privacy`, or None.
+      secure: sum the sketches with `federated_secure_modular_sum` (modulus `2^32`).
     """
 
     max_len: int = 16
     capacity: int = 1000
     threshold: float | None = None
     privacy: privacy_lib.Privacy | None = None
+    secure: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_len", "capacity"):
@@ -86,51 +87,50 @@ class IBLT:
 
     @property
     def fields(self) -> int:
-        return 3 + _chunks(self.max_len)  # count, check, length, chunks
+        return 5 + self.max_len  # count, length, 3 check bytes, the string's bytes
 
     def sketch_computation(self) -> computation.Computation:
         """The local computation of one client's sketch.
 
         Type signature: `(sequence<<bytes=uint8[?,L],length=int32[?]>> ->
-        int32[3*cells_per_hash,fields])`.
+        uint32[3*cells_per_hash,fields])`.
         """
         width, part, fields = self.max_len, self.cells_per_hash, self.fields
         cells = NUM_HASHES * part
-        sketch_t = types.TensorType(np.int32, [cells, fields])
+        sketch_t = types.TensorType(np.uint32, [cells, fields])
 
         @jax_backend.jax_computation(data.string_type(width), result_type=sketch_t)
         def client_sketch(dataset):
             def step(state, batch, mask):
                 b, n = batch["bytes"], batch["length"]
-                m = (mask > 0).astype(jnp.uint32)
-                rows = _rows(jnp, b, n) * m[:, None]  # [B, fields], each entry < 2^16
+                rows = _rows(jnp, b, n) * (mask > 0).astype(jnp.uint32)[:, None]
                 idx = jnp.stack([_cell(jnp, b, n, j, part) for j in range(NUM_HASHES)], 1)
-                # Entries < 2^16, batches < 2^15 rows: a cell gains < 2^32 - P, no wrap.
-                state = state.at[idx.reshape(-1)].add(jnp.repeat(rows, NUM_HASHES, axis=0))
-                return state % jnp.uint32(PRIME)
+                # uint32 arithmetic wraps: the sketch lives modulo 2^32.
+                return state.at[idx.reshape(-1)].add(jnp.repeat(rows, NUM_HASHES, axis=0))
 
-            out = dataset.reduce(jnp.zeros((cells, fields), jnp.uint32), step, masked=True)
-            return out.astype(jnp.int32)
+            return dataset.reduce(jnp.zeros((cells, fields), jnp.uint32), step, masked=True)
 
         return client_sketch
 
     def build(self) -> computation.Computation:
-        """The federated computation: `({sequence<...>}@CLIENTS -> int32[cells,fields]@SERVER)`,
-        the clients' sketches summed modulo `P` by secure aggregation."""
+        """The federated computation: `({sequence<...>}@CLIENTS -> uint32[cells,fields]@SERVER)`,
+        the clients' sketches summed modulo `2^32`."""
         sketch = self.sketch_computation()
         seq_t = sketch.type_signature.parameter
+        secure = self.secure
 
         @tracing.federated_computation(types.type_at_clients(seq_t))
         def run(datasets):
-            return operators.federated_secure_modular_sum(
-                operators.federated_map(sketch, datasets), PRIME
-            )
+            sketches = operators.federated_map(sketch, datasets)
+            if secure:
+                return operators.federated_secure_modular_sum(sketches, MODULUS)
+            return operators.federated_sum(sketches)
 
         return run
 
     def decode(self, table: Any) -> Decoded:
         """Peels a summed sketch (see the module docstring)."""
-        return peel(np.asarray(table, np.int64), self.max_len, self.cells_per_hash)
+        return peel(np.asarray(table), self.max_len, self.cells_per_hash)
 
     def run(self, client_datasets: Sequence[Any], top_k: int | None = None) -> trie.HeavyHitters:
         """Sketches, decodes and (with DP) counts privately, in the current runtime."""
@@ -156,14 +156,11 @@ class IBLT:
 
 
 def _rows(xp: Any, b: Any, n: Any) -> Any:
-    """`[B, fields]` uint32: `[1, check, length, 16-bit chunks...]` per string."""
-    b = b.astype(xp.uint32)
-    if b.shape[-1] % 2:
-        b = xp.concatenate([b, xp.zeros((*b.shape[:-1], 1), xp.uint32)], -1)
-    chunks = b[..., 0::2] | (b[..., 1::2] << 8)
-    check = strings.hash_bytes(b.astype(xp.uint8), n, CHECK_SEED) & xp.uint32(0xFFFF)
-    ones = xp.ones(n.shape, xp.uint32)
-    return xp.concatenate([xp.stack([ones, check, n.astype(xp.uint32)], -1), chunks], -1)
+    """`uint32[B, 5 + L]`: `[1, length, 3 check bytes, the bytes]` per string."""
+    check = strings.hash_bytes(b, n, CHECK_SEED)
+    checks = [(check >> (8 * i)) & xp.uint32(0xFF) for i in range(3)]
+    head = xp.stack([xp.ones(n.shape, xp.uint32), n.astype(xp.uint32), *checks], -1)
+    return xp.concatenate([head, b.astype(xp.uint32)], -1)
 
 
 def _cell(xp: Any, b: Any, n: Any, j: int, part: int) -> Any:
@@ -171,44 +168,41 @@ def _cell(xp: Any, b: Any, n: Any, j: int, part: int) -> Any:
     return (h % xp.uint32(part)).astype(xp.int32) + j * part
 
 
-def peel(table: np.ndarray, max_len: int, part: int) -> Decoded:
-    """Decodes a summed IBLT `int64[cells, fields]` (values mod `P`), vectorized peeling."""
-    t = np.mod(table.astype(np.int64), PRIME)
+def peel(table: Any, max_len: int, part: int) -> Decoded:
+    """Decodes a summed IBLT (`uint32[cells, 5 + max_len]`, modulo `2^32`) by peeling,
+    many cells at a time."""
+    t = np.asarray(table).astype(np.int64) % MODULUS
     found: dict[bytes, int] = {}
-    chunk_count = _chunks(max_len)
     while True:
         cand = np.nonzero(t[:, 0])[0]
+        counts = t[cand, 0]
+        keep = counts < MAX_COUNT
+        cand, counts = cand[keep], counts[keep]
         if not len(cand):
             break
-        counts = t[cand, 0]
-        inv = np.asarray([pow(int(c), PRIME - 2, PRIME) for c in counts], np.int64)
-        vals = (t[cand, 1:] * inv[:, None]) % PRIME
-        check, length, chunks = vals[:, 0], vals[:, 1], vals[:, 2:]
-        ok = (counts < PRIME // 2) & (length <= max_len) & np.all(chunks < 65536, 1)
-        cand, counts, check, length, chunks = (x[ok] for x in (cand, counts, check, length, chunks))
-        raw = np.zeros((len(cand), 2 * chunk_count), np.uint8)
-        raw[:, 0::2] = chunks & 0xFF
-        raw[:, 1::2] = chunks >> 8
-        raw = raw[:, :max_len]
+        vals = t[cand, 1:]
+        ok = np.all(vals % counts[:, None] == 0, 1)
+        vals = vals // counts[:, None]
+        length, checks, raw = vals[:, 0], vals[:, 1:4], vals[:, 4:]
+        ok &= (length <= max_len) & np.all(checks < 256, 1) & np.all(raw < 256, 1)
+        tail = np.arange(max_len)[None, :] >= length[:, None]
+        ok &= ~np.any(tail & (raw != 0), 1)
+        cand, counts, length, checks, raw = (x[ok] for x in (cand, counts, length, checks, raw))
+        raw = raw.astype(np.uint8)
         lengths = length.astype(np.int32)
-        # Bytes past the length must be zero, and the hashes must agree with the cell.
-        tail = np.arange(max_len)[None, :] >= lengths[:, None]
-        ok = ~np.any(tail & (raw != 0), 1)
-        with np.errstate(over="ignore"):
-            ok &= (strings.hash_bytes(raw, lengths, CHECK_SEED) & 0xFFFF) == check
-            cells = np.stack([_cell(np, raw, lengths, j, part) for j in range(NUM_HASHES)], 1)
+        check = strings.hash_bytes(raw, lengths, CHECK_SEED).astype(np.int64)
+        ok = np.all(np.stack([(check >> (8 * i)) & 0xFF for i in range(3)], 1) == checks, 1)
+        cells = np.stack([_cell(np, raw, lengths, j, part) for j in range(NUM_HASHES)], 1)
         ok &= np.any(cells == cand[:, None], 1)
         if not ok.any():
             break
-        raw, lengths, counts, cells, check = raw[ok], lengths[ok], counts[ok], cells[ok], check[ok]
+        raw, lengths, counts, cells = raw[ok], lengths[ok], counts[ok], cells[ok]
         keys = [bytes(r[:n]) for r, n in zip(raw, lengths)]
         _, first = np.unique(np.asarray(keys, dtype=object), return_index=True)
-        for i in first:
+        rows = _rows(np, raw[first], lengths[first]).astype(np.int64) * counts[first, None]
+        for row, item_cells, i in zip(rows, cells[first], first):
             found[keys[i]] = found.get(keys[i], 0) + int(counts[i])
-            with np.errstate(over="ignore"):
-                row = _rows(np, raw[i : i + 1], lengths[i : i + 1])[0].astype(np.int64)
-            for c in cells[i]:
-                t[c] = np.mod(t[c] - counts[i] * row, PRIME)
+            t[item_cells] = (t[item_cells] - row) % MODULUS
     items = list(found)
     return Decoded(items, np.asarray([found[k] for k in items], np.int64),
                    int(np.count_nonzero(t[:, 0])))
@@ -269,6 +263,7 @@ def iblt_heavy_hitters(
     capacity: int = 1000,
     threshold: float | None = None,
     privacy: privacy_lib.Privacy | None = None,
+    secure: bool = False,
 ) -> trie.HeavyHitters:
     """Heavy hitters of the clients' strings (one list per client) with an IBLT sketch.
 
@@ -278,5 +273,5 @@ def iblt_heavy_hitters(
       (['a', 'bb', 'c'], [3.0, 1.0, 1.0])
     """
     enc = data.encode_clients(client_strings, max_len)
-    algo = IBLT(max_len, capacity, threshold, privacy)
+    algo = IBLT(max_len, capacity, threshold, privacy, secure)
     return algo.run(enc.datasets, top_k)._replace(truncated=enc.truncated)

@@ -59,7 +59,7 @@ class HeavyHitters(NamedTuple):
     truncated: int = 0
 
 
-def _prefix_hashes(prefixes: list[bytes], max_len: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+def prefix_table(prefixes: list[bytes], max_len: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
     """The prefixes' two hashes (`uint32[capacity, 2]`, padded with all-ones rows) and
     which rows are real. Callers pass prefixes sorted by `sort_by_hash`, so that the
     first hashes are ascending and clients can look them up with `searchsorted`."""
@@ -82,7 +82,7 @@ def sort_by_hash(prefixes: list[bytes], max_len: int) -> list[bytes]:
     """`prefixes` ordered by their first hash (the order of the vote rows)."""
     if not prefixes:
         return []
-    table, _ = _prefix_hashes(prefixes, max_len, len(prefixes))
+    table, _ = prefix_table(prefixes, max_len, len(prefixes))
     return [prefixes[i] for i in np.argsort(table[:, 0], kind="stable")]
 
 
@@ -228,7 +228,7 @@ class TrieHH:
             if not live:
                 break
             live = sort_by_hash(live, width)
-            table, valid = _prefix_hashes(live, width, cap)
+            table, valid = prefix_table(live, width, cap)
             trie = {"prefixes": table, "valid": valid, "length": np.int32(r),
                     "seed": np.uint32((self.seed * 1000003 + r) % 2**32)}
             out = comp(datasets, trie, state)
