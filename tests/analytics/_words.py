@@ -5,10 +5,10 @@ import collections
 import numpy as np
 
 
-def zipf_clients(num_clients=30, vocab_size=200, seed=0, max_words=25):
+def zipf_clients(num_clients=15, vocab_size=60, seed=0, max_words=25):
     rng = np.random.default_rng(seed)
     vocab = [f"w{i}é" for i in range(vocab_size)]
-    vocab[2:2] = ["exactly12by", "longer than twelve bytes"]  # frequent: in every run
+    vocab[2:2] = ["exactly8", "longer than eight bytes"]  # frequent: in every run
     p = 1.0 / np.arange(1, len(vocab) + 1)
     p /= p.sum()
     clients = [list(rng.choice(vocab, size=rng.integers(0, max_words), p=p)) for _ in range(num_clients)]
