@@ -10,7 +10,7 @@ import pytest
 def test_histogram_part(load_script, capsys):
     bench = load_script("bench/analytics.py")
     out = bench.main(["--quick", "--only", "hist"])
-    exact = [r for r in out["hist"] if math.isinf(r["epsilon"])][0]
+    exact = next(r for r in out["hist"] if math.isinf(r["epsilon"]))
     assert exact["hist_mae"] == 0 and exact["quantile_max"] <= 1 / 2**8
     noisy = {r["epsilon"]: r["hist_mae"] for r in out["hist"]}
     assert noisy[1.0] > noisy[10.0] > 0  # more privacy, more noise
