@@ -2,8 +2,8 @@
 
 The public API is exactly what this module re-exports. Importing it does no work: no
 JAX backend starts and no thread is made until a computation runs (the default runtime
-is created on first use), and the libraries `fl.learning`, `fl.aggregators` and
-`fl.simulation` are imported when first used.
+is created on first use), and the libraries `fl.learning`, `fl.aggregators`,
+`fl.analytics` and `fl.simulation` are imported when first used.
 """
 
 import importlib as _importlib
@@ -61,7 +61,7 @@ _context.set_default_factory(runtime.SimulationContext)
 # Keras (an optional model source) must run on JAX; a Keras imported later picks this up.
 _os.environ.setdefault("KERAS_BACKEND", "jax")
 
-_LAZY_SUBPACKAGES = ("aggregators", "learning", "simulation")
+_LAZY_SUBPACKAGES = ("aggregators", "analytics", "learning", "simulation")
 
 
 def __getattr__(name: str) -> _Any:

@@ -166,8 +166,9 @@ def test_federated_map_with_a_wrong_member_type():
 
 
 def test_non_traceable_python_values():
-    with pytest.raises(TypeError, match="Cannot use str"):
-        fl.federated_computation(C_F32)(lambda x: fl.federated_value("hello", fl.SERVER))
+    # Strings are values now (issue 14); an arbitrary object is not.
+    with pytest.raises(TypeError, match="Cannot use object"):
+        fl.federated_computation(C_F32)(lambda x: fl.federated_value(object(), fl.SERVER))
     with pytest.raises(TypeError, match="Python function"):
         fl.federated_computation(C_F32)(lambda x: fl.federated_map(lambda v: v, x))
     with pytest.raises(TypeError, match="returned None"):

@@ -94,8 +94,10 @@ def test_to_type(spec, expected):
 def test_to_type_rejects_what_it_cannot_convert():
     with pytest.raises(TypeError, match="Cannot convert"):
         fl.to_type(object())
-    with pytest.raises(TypeError, match="numeric or boolean dtype"):
-        fl.TensorType("U5")
+    with pytest.raises(TypeError, match="numeric, boolean or string dtype"):
+        fl.TensorType("S5")  # bytes: decode to str first
+    with pytest.raises(TypeError, match="numeric, boolean or string dtype"):
+        fl.TensorType(object)
     with pytest.raises(TypeError, match="dimension"):
         fl.TensorType(np.float32, [-3])
     with pytest.raises(TypeError, match="unique"):

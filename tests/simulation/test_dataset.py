@@ -113,14 +113,14 @@ def test_batch_of_ragged_elements_names_field():
         list(ds.batch(2))
 
 
-def test_strings_have_structure_but_no_element_type():
+def test_strings_have_structure_and_a_str_element_type():
     ds = Dataset.from_tensor_slices({"text": ["a b", "c"], "n": np.arange(2)})
     assert str(specs.structure_str(ds.structure)) == "<text=string,n=int64>"
     assert [e["text"] for e in ds] == ["a b", "c"]
     batch = next(iter(ds.map(lambda e: e).batch(2)))
     assert batch["text"].dtype == object and batch["text"].tolist() == ["a b", "c"]
-    with pytest.raises(TypeError, match=r"string field\(s\) \['text'\]"):
-        _ = ds.element_spec
+    assert str(ds.element_spec) == "<text=str,n=int64>"
+    assert str(ds.batch(2).element_spec) == "<text=str[?],n=int64[?]>"
 
 
 def test_generator_spec_accepts_string_spec():

@@ -295,6 +295,8 @@ class Literal(Node):
         return iter(())
 
     def _key(self) -> tuple:
+        if self.value.dtype.kind == "T":  # string arrays hold pointers: compare the text
+            return (self._type, tuple(self.value.ravel().tolist()))
         return (self._type, self.value.tobytes())
 
     def __str__(self) -> str:

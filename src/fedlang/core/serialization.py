@@ -80,6 +80,9 @@ _DTYPES: dict[str, np.dtype] = {
 _DTYPES.update(
     {n: np.dtype(getattr(ml_dtypes, n)) for n in ("bfloat16", "float8_e4m3fn", "float8_e5m2")}
 )
+# Strings: a blob of the elements' UTF-8 bytes, concatenated in C order, and a blob of
+# their byte lengths as little-endian uint64 (see EncodeContext.tensor).
+_DTYPES["str"] = types.STRING
 
 
 SerializationError = errors.SerializationError
@@ -242,6 +245,15 @@ class EncodeContext:
     def tensor(self, value: Any) -> dict[str, Any]:
         arr = np.asarray(value)  # (tobytes writes C order; ascontiguousarray would make 0-d 1-d)
         name = types._dtype_name(arr.dtype)
+        if name == "str":
+            encoded = [s.encode("utf-8") for s in arr.ravel().tolist()]
+            lengths = np.asarray([len(b) for b in encoded], dtype="<u8")
+            return {
+                "dtype": name,
+                "shape": list(arr.shape),
+                "blob": self.add_blob(b"".join(encoded)),
+                "lengths": self.add_blob(lengths.tobytes()),
+            }
         if name not in _DTYPES:
             raise TypeError(
                 f"Expected a tensor of one of the dtypes {sorted(_DTYPES)}, found {arr.dtype}."
@@ -322,19 +334,46 @@ class DecodeContext:
         shape = tuple(
             check_int(d, "a tensor dimension") for d in _get(obj, "shape", list, "a tensor")
         )
-        buf = self.blob(obj.get("blob"))
-        size = math.prod(shape) * dtype.itemsize
-        if len(buf) != size:
-            raise malformed(f"{size} bytes for a {name}{list(shape)} tensor", f"{len(buf)} bytes")
         if expected is not None and (
             expected.dtype != dtype or not types._shape_assignable(expected.shape, shape)
         ):
             raise malformed(f"a tensor of type {expected}", f"{name}{list(shape)}")
+        if name == "str":
+            return self._strings(obj, shape)
+        buf = self.blob(obj.get("blob"))
+        size = math.prod(shape) * dtype.itemsize
+        if len(buf) != size:
+            raise malformed(f"{size} bytes for a {name}{list(shape)} tensor", f"{len(buf)} bytes")
         self.account(size)
         if dtype == np.bool_:
             return (np.frombuffer(buf, np.uint8) != 0).reshape(shape)
         arr = np.frombuffer(buf, dtype).reshape(shape)
         return arr.byteswap() if sys.byteorder == "big" else arr.copy()
+
+    def _strings(self, obj: dict[str, Any], shape: tuple[int, ...]) -> np.ndarray:
+        count = math.prod(shape)
+        length_buf = self.blob(obj.get("lengths"))
+        if len(length_buf) != 8 * count:
+            raise malformed(
+                f"{8 * count} bytes of lengths for a str{list(shape)} tensor",
+                f"{len(length_buf)} bytes",
+            )
+        data = self.blob(obj.get("blob"))
+        # Counted before decoding: the limit holds for the text as for any tensor.
+        self.account(len(data) + len(length_buf))
+        lengths = np.frombuffer(length_buf, "<u8")
+        if int(lengths.sum(dtype=np.uint64)) != len(data) or (lengths > len(data)).any():
+            raise malformed(
+                f"string lengths adding up to the {len(data)} bytes of text",
+                f"lengths summing to {int(lengths.sum(dtype=np.uint64))}",
+            )
+        ends = np.cumsum(lengths, dtype=np.int64)
+        starts = ends - lengths.astype(np.int64)
+        try:
+            items = [data[a:b].decode("utf-8") for a, b in zip(starts.tolist(), ends.tolist())]
+        except UnicodeDecodeError as e:
+            raise malformed("UTF-8 text in a str tensor", f"invalid bytes ({e.reason})") from None
+        return np.asarray(items, dtype=types.STRING).reshape(shape)
 
 
 # ----------------------------------------------------------------------------

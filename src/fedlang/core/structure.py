@@ -43,6 +43,8 @@ def to_tensor(value: Any, t: types.TensorType, path: str = "") -> np.ndarray:
     if type(value) is np.ndarray and value.dtype == t.dtype:  # the hot path: one check per batch
         _check_shape(value, t, path)
         return value
+    if types.is_string_dtype(t.dtype):
+        return _to_string_tensor(value, t, path)
     if isinstance(value, str | bytes) or (
         types.is_container(value) and not isinstance(value, list | tuple)
     ):
@@ -76,6 +78,35 @@ def to_tensor(value: Any, t: types.TensorType, path: str = "") -> np.ndarray:
                 f"Expected a value of type {t}{_where(path)}, found {types.describe(value)}."
             )
         arr = arr.astype(t.dtype)
+    _check_shape(arr, t, path)
+    return arr
+
+
+def _to_string_tensor(value: Any, t: types.TensorType, path: str) -> np.ndarray:
+    """A `str` tensor from Python strings, lists of them, or unicode/string arrays.
+
+    Numbers are never turned into text: `1` for a `str` is an error, not `'1'`."""
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as e:
+        raise TypeError(
+            f"Expected a value of type {t}{_where(path)}, found {types.describe(value)}."
+        ) from e
+    if arr.dtype.kind in "OS" and all(isinstance(x, str | bytes) for x in arr.ravel()):
+        # Text read as bytes (TFF's tf.string, files, Arrow binary columns) is UTF-8.
+        try:
+            items = [x.decode("utf-8") if isinstance(x, bytes) else x for x in arr.ravel()]
+        except UnicodeDecodeError as e:
+            raise TypeError(
+                f"Expected UTF-8 text for a value of type {t}{_where(path)}, found bytes that are "
+                f"not UTF-8 ({e.reason}); decode them with the right codec first."
+            ) from e
+        arr = np.asarray(items, dtype=types.STRING).reshape(arr.shape)
+    if arr.dtype.kind not in "UT":
+        raise TypeError(
+            f"Expected a value of type {t}{_where(path)}, found {types.describe(value)}."
+        )
+    arr = arr.astype(types.STRING)
     _check_shape(arr, t, path)
     return arr
 
@@ -230,6 +261,8 @@ def to_python(value: Any, t: types.Type) -> Any:
     """Converts an internal value to what users see: numpy values in their containers."""
     if isinstance(t, types.TensorType):
         arr = np.asarray(value)
+        if arr.dtype.kind == "U":  # a runtime stacked strings into NumPy's fixed width
+            arr = arr.astype(types.STRING)
         return arr[()] if arr.ndim == 0 else arr
     if isinstance(t, types.StructType):
         return build_container([to_python(v, et) for v, et in zip(value, t.types)], t)

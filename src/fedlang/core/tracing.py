@@ -236,11 +236,15 @@ def to_node(value: Any) -> ir.Node:
         return ir.Local(value)
     if isinstance(value, types.Placement):
         return ir.PlacementLiteral(value)
+    if isinstance(value, str):  # a string constant (TFF: federated_value('Hello', SERVER))
+        return ir.Literal(np.asarray(value, dtype=types.STRING), types.TensorType(types.STRING))
     if isinstance(value, bool | int | float | np.generic):
         return ir.Literal(value, types.to_type(value))  # type: ignore[arg-type]
     if hasattr(value, "dtype") and hasattr(value, "shape") and not isinstance(value, type):
         arr = np.asarray(value)
-        if arr.dtype.kind in "biufc":
+        if arr.dtype.kind in "UT":
+            arr = arr.astype(types.STRING)
+        if arr.dtype.kind in "biufcT":
             return ir.Literal(arr, types.to_type(arr))  # type: ignore[arg-type]
     if types.is_container(value):
         elements = [(n, to_node(v)) for n, v in types.struct_items(value)]

@@ -86,12 +86,28 @@ class Type(abc.ABC):
         object.__setattr__(self, "_frozen", True)
 
 
+#: The string dtype: variable-width UTF-8 (NumPy's `StringDType`), printed `str` as in TFF.
+STRING: np.dtype = np.dtypes.StringDType()
+
+
+def is_string_dtype(dtype: Any) -> bool:
+    """Whether `dtype` is fedlang's string dtype (`str`)."""
+    return isinstance(dtype, np.dtype) and dtype.kind == "T"
+
+
 def _dtype_name(dtype: np.dtype) -> str:
+    if dtype.kind == "T":
+        return "str"
     return "bool" if dtype == np.bool_ else dtype.name
 
 
 def to_dtype(spec: Any) -> np.dtype:
-    """Converts a dtype spec (np.float32, 'float32', jnp.int32, float...) to np.dtype."""
+    """Converts a dtype spec (np.float32, 'float32', jnp.int32, float, str...) to np.dtype.
+
+    `str` (or `'str'`, or any NumPy unicode dtype) is the string dtype `STRING`.
+    """
+    if spec is str or (isinstance(spec, str) and spec == "str"):
+        return STRING
     if spec is float:
         return np.dtype(np.float32)
     if spec is int:
@@ -102,10 +118,13 @@ def to_dtype(spec: Any) -> np.dtype:
         dtype = np.dtype(spec)
     except TypeError as e:
         raise TypeError(f"Expected a dtype (such as np.float32 or 'int32'), found {spec!r}.") from e
+    if dtype.kind in "UT":
+        # NumPy's fixed-width unicode ('<U5') and StringDType variants are all one type.
+        return STRING
     if dtype.kind not in "biufc" and dtype.name not in _EXTRA_DTYPES:
         raise TypeError(
-            f"Expected a numeric or boolean dtype, found {dtype}. fedlang tensors hold numbers; "
-            "encode strings as integer token ids."
+            f"Expected a numeric, boolean or string dtype, found {dtype}. Use `str` for text "
+            "and decode bytes to str first."
         )
     return dtype
 
@@ -462,7 +481,7 @@ def is_container(value: Any) -> bool:
 def _is_dtype_like(x: Any) -> bool:
     if isinstance(x, np.dtype):
         return True
-    if isinstance(x, type) and (issubclass(x, np.generic) or x in (float, int, bool)):
+    if isinstance(x, type) and (issubclass(x, np.generic) or x in (float, int, bool, str)):
         return True
     if isinstance(x, str):
         try:
@@ -536,7 +555,20 @@ def to_type(spec: Any) -> Type:
 
 
 def infer_value_type(value: Any) -> Type:
-    """The type of a concrete Python value (Python floats are float32, ints int32)."""
+    """The type of a concrete Python value (Python floats are float32, ints int32).
+
+    Unlike `to_type`, a Python `str` here is a value (`'Hello'` has type `str`), never a
+    dtype name, also inside containers.
+    """
+    if isinstance(value, str):
+        return TensorType(STRING)
+    if is_container(value) and not (
+        hasattr(value, "shape") and hasattr(value, "dtype")
+    ) and getattr(value, "fedlang_sparse_type", None) is None:
+        return StructType(
+            [(n, infer_value_type(v)) for n, v in struct_items(value)],
+            container=container_of(value),
+        )
     return to_type(value)
 
 
@@ -582,6 +614,7 @@ def describe(value: Any) -> str:
 __all__ = [
     "CLIENTS",
     "SERVER",
+    "STRING",
     "ContainerSpec",
     "FederatedType",
     "FunctionType",

@@ -166,11 +166,7 @@ class ClientData:
 
     @property
     def element_spec(self) -> types.Type:
-        """The fedlang type of one element of every client's dataset.
-
-        Raises:
-          TypeError: if some fields are strings (see `Dataset.element_spec`).
-        """
+        """The fedlang type of one element of every client's dataset (strings: `str`)."""
         return specs.element_type(self.structure)
 
     def num_examples(self, client_id: str) -> int:

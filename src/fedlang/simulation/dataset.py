@@ -13,9 +13,9 @@ at home.
 
 Element types. `element_spec` is a fedlang type (`fedlang.core.types`) describing one
 element, e.g. `<pixels=float32[28,28],label=int32>`. String fields (text before
-tokenization) have no fedlang tensor type: they are described by `specs.StringSpec` in
-`Dataset.structure`, and `element_spec` raises a `TypeError` naming them, since such
-a dataset cannot be fed to a computation until the strings are mapped to numbers.
+tokenization) are described by `specs.StringSpec` in `Dataset.structure` and are `str`
+tensors in `element_spec` (`<snippets=str>`): computations move and store them, and JAX
+code reads them once encoded (`fedlang.backends.jax.strings`).
 A scalar string field holds a Python `str` or `bytes`; after `batch` it is a numpy
 object array.
 
@@ -251,11 +251,8 @@ class Dataset:
 
     @property
     def element_spec(self) -> types.Type:
-        """The fedlang type of one element (`to_type(dataset)` is `sequence<...>`).
-
-        Raises:
-          TypeError: if some fields are strings, which have no fedlang type.
-        """
+        """The fedlang type of one element (`to_type(dataset)` is `sequence<...>`); string
+        fields are `str` tensors."""
         return specs.element_type(self.structure)
 
     @property

@@ -3,8 +3,9 @@
 A *structure* mirrors an element (dicts, tuples, lists, namedtuples) with a spec at
 each leaf: a fedlang `types.TensorType` for numbers, or a `StringSpec` for strings,
 which have no fedlang type. `element_type` turns a structure into the fedlang type
-the runtimes consume (`<pixels=float32[28,28],label=int32>`), and refuses structures
-with strings, naming the offending fields.
+the runtimes consume (`<pixels=float32[28,28],label=int32>`); a string field becomes a
+`str` tensor (`<snippets=str>`, `str[?]` after `batch`), which computations can move and
+store and `fedlang.backends.jax.strings` encodes for JAX.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fedlang.simulation import _tree
 
 @dataclasses.dataclass(frozen=True)
 class StringSpec:
-    """Describes a string (str or bytes) field, which has no fedlang tensor type.
+    """Describes a string (str or bytes) field: a fedlang `str` tensor in `element_type`.
 
     Attributes:
       shape: the field's shape; `()` for a scalar string, `(None,)` after `batch`.
@@ -86,21 +87,17 @@ def to_structure(spec: Any) -> Any:
 
 
 def element_type(structure: Any) -> types.Type:
-    """The fedlang type of a structure of `TensorType` leaves.
+    """The fedlang type of a structure of `TensorType` and `StringSpec` leaves.
 
-    Raises:
-      TypeError: if some leaves are `StringSpec`s, which have no fedlang type.
+    A `StringSpec` becomes a `str` tensor of its shape (bytes fields are read as UTF-8).
     """
-    leaves = _tree.flatten(structure)
-    strings = [p for p, s in zip(_tree.paths(structure), leaves) if isinstance(s, StringSpec)]
-    if strings:
-        raise TypeError(
-            f"Expected numeric fields for a fedlang element type, found string field(s) "
-            f"{strings} in {structure_str(structure)}. Map strings to integer ids (e.g. a "
-            "vocabulary lookup) before using the dataset in a computation; "
-            "`Dataset.structure` describes string fields."
-        )
-    return types.to_type(structure)
+    return types.to_type(_tree.map_structure(_string_to_tensor, structure))
+
+
+def _string_to_tensor(spec: Any) -> Any:
+    if isinstance(spec, StringSpec):
+        return types.TensorType(types.STRING, spec.shape)
+    return spec
 
 
 def structure_str(structure: Any) -> str:

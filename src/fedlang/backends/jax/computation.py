@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedlang.backends.jax import strings
 from fedlang.core import computation, ir, local, structure, tracing, types
 
 
@@ -489,6 +490,7 @@ class JaxComputation(JaxLocal, computation.Computation):
                 )
             if not isinstance(t, types.SequenceType):
                 types.check_local(t, f"A parameter of the jax_computation {self.name}")
+            strings.check_no_strings(t, f"A parameter of the jax_computation {self.name}")
             _check_x64(
                 t if not isinstance(t, types.SequenceType) else t.element,
                 f"{self.name}'s parameter",
