@@ -1,8 +1,9 @@
-"""Process templates: `IterativeProcess`, `MeasuredProcess` and `AggregationProcess`."""
+"""Process templates: `IterativeProcess`, `MeasuredProcess`, `AggregationProcess`, and the
+`BufferedProcess` protocol of asynchronous (buffered) training."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from fedlang.core import computation, types
 
@@ -154,3 +155,36 @@ class AggregationProcess(MeasuredProcess):
 
 def _at(t: types.Type, placement: types.Placement) -> bool:
     return isinstance(t, types.FederatedType) and t.placement is placement
+
+
+class BufferedProcess(Protocol):
+    """A buffered (asynchronous) training process, as the virtual-clock simulator
+    (`fedlang.simulation.run_async`) and the deployment's `BufferedDriver` use it; the
+    learning library's `BufferedLearningProcess` (`build_fed_buff`) is one.
+
+    A client downloads `client_model(state)` (weights and their version), runs `train`
+    (a local computation `(model_weights, dataset) -> report` of type `report_type`),
+    and the server folds its report with `fold(state, report, version)`; when
+    `is_full(state)`, `apply(state)` steps the server and publishes the next version.
+    `status(state)` holds at least the ints `'version'`, `'buffer_size'`,
+    `'buffer_fill'` and `'refused_stale'`.
+    """
+
+    train: computation.Computation
+    report_type: types.Type
+    buffer_size: int  # K: reports per server step
+    max_staleness: int  # reports staler than this are refused and counted
+
+    def initialize(self) -> Any: ...
+
+    def client_model(self, state: Any) -> tuple[Any, int]: ...
+
+    def fold(self, state: Any, report: Any, version: int) -> Any: ...
+
+    def is_full(self, state: Any) -> bool: ...
+
+    def apply(self, state: Any) -> tuple[Any, Any]: ...
+
+    def status(self, state: Any) -> dict[str, Any]: ...
+
+    def get_model_weights(self, state: Any) -> Any: ...

@@ -23,33 +23,11 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-from fedlang.core import serialization
+from fedlang.core import processes, serialization
 from fedlang.deploy import async_plan, protocol
 from fedlang.deploy import http as http_lib
-
-
-class BufferedProcess(Protocol):
-    """What the driver uses of a buffered learning process (the learning library's
-    `BufferedLearningProcess`)."""
-
-    train: Any  # a local computation (model_weights, dataset) -> report
-    report_type: Any
-    buffer_size: int  # K, reports per server step
-    max_staleness: int  # reports staler than this are refused
-
-    def initialize(self) -> Any: ...
-
-    def client_model(self, state: Any) -> tuple[Any, int]: ...
-
-    def fold(self, state: Any, report: Any, version: int) -> Any: ...
-
-    def is_full(self, state: Any) -> bool: ...
-
-    def apply(self, state: Any) -> tuple[Any, Any]: ...
-
-    def status(self, state: Any) -> dict[str, Any]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +58,7 @@ class BufferedDriver:
 
     def __init__(
         self,
-        process: BufferedProcess,
+        process: processes.BufferedProcess,
         url: str,
         admin_token: str,
         population: str,

@@ -22,7 +22,8 @@ started from one version, else with each client's own model version as a CLIENTS
 value. A synchronous round is one call over its cohort.
 
 Layering: this module imports only `core` and `simulation`; the processes it drives
-are described by the Protocols `BufferedProcess` and `SyncProcess`, which
+are described by the Protocols `core.processes.BufferedProcess` (shared with the
+deployment's driver) and `SyncProcess`, which
 `fedlang.learning`'s `BufferedLearningProcess` and `LearningProcess` satisfy.
 """
 
@@ -36,34 +37,12 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
-from fedlang.core import computation, operators, tracing, types
+from fedlang.core import computation, operators, processes, tracing, types
 from fedlang.simulation import clock
 
 Evaluate = Callable[[Any], Mapping[str, Any]]
 
 
-class BufferedProcess(Protocol):
-    """What `run_async` uses of a buffered process (`fedlang.learning.BufferedLearningProcess`).
-
-    `status(state)` must hold the ints `'buffer_size'`, `'buffer_fill'` and
-    `'refused_stale'`.
-    """
-
-    train: computation.Computation
-
-    def initialize(self) -> Any: ...
-
-    def client_model(self, state: Any) -> tuple[Any, int]: ...
-
-    def fold(self, state: Any, report: Any, version: int) -> Any: ...
-
-    def is_full(self, state: Any) -> bool: ...
-
-    def apply(self, state: Any) -> tuple[Any, Any]: ...
-
-    def status(self, state: Any) -> dict[str, Any]: ...
-
-    def get_model_weights(self, state: Any) -> Any: ...
 
 
 class SyncProcess(Protocol):
@@ -238,7 +217,7 @@ class _Job:
 
 
 def run_async(
-    process: BufferedProcess,
+    process: processes.BufferedProcess,
     client_data: ClientSource | Mapping[str, Any],
     *,
     concurrency: int,
