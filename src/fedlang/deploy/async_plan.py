@@ -22,7 +22,6 @@ at most the bytes that type can take, finite floats.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import math
@@ -33,7 +32,7 @@ import numpy as np
 
 from fedlang.core import computation, serialization, signing, structure, tracing, types
 from fedlang.core import operators as ops
-from fedlang.deploy import aggregation
+from fedlang.deploy import aggregation, plan
 from fedlang.runtime import simulation
 
 PLAN_KIND = "buffered"
@@ -121,10 +120,10 @@ class BufferedPlan:
         return json.dumps({
             "kind": PLAN_KIND,
             "version": PLAN_VERSION,
-            "task": _b64(self.task.to_bytes()),
+            "task": plan.b64(self.task.to_bytes()),
             "data": self.data_name,
-            "weights_type": _b64(serialization.serialize_type(self.weights_type)),
-            "report_type": _b64(serialization.serialize_type(self.report_type)),
+            "weights_type": plan.b64(serialization.serialize_type(self.weights_type)),
+            "report_type": plan.b64(serialization.serialize_type(self.report_type)),
         }, separators=(",", ":")).encode()
 
     @staticmethod
@@ -142,12 +141,12 @@ class BufferedPlan:
                 raise serialization.malformed(
                     f"a buffered-session plan of version {PLAN_VERSION}", repr(doc)[:60]
                 )
-            task = serialization.deserialize_computation(_unb64(doc["task"]), trusted=True)
+            task = serialization.deserialize_computation(plan.unb64(doc["task"]), trusted=True)
             name = doc["data"]
             if not (isinstance(name, str) and name.isidentifier()):
                 raise serialization.malformed("a client data name", repr(name)[:60])
-            weights_t = serialization.deserialize_type(_unb64(doc["weights_type"]))
-            report_t = serialization.deserialize_type(_unb64(doc["report_type"]))
+            weights_t = serialization.deserialize_type(plan.unb64(doc["weights_type"]))
+            report_t = serialization.deserialize_type(plan.unb64(doc["report_type"]))
         except serialization.SerializationError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as e:
@@ -238,13 +237,3 @@ def load(signed_plan: bytes, public_key: Any) -> BufferedPlan:
       SerializationError: if it is not a valid buffered plan.
     """
     return BufferedPlan.from_bytes(signing.verify(signed_plan, public_key))
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def _unb64(text: Any) -> bytes:
-    if not isinstance(text, str):
-        raise serialization.malformed("base64 text", type(text).__name__)
-    return base64.b64decode(text, validate=True)

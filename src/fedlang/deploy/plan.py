@@ -149,9 +149,9 @@ class RoundPlan:
         """The plan as bytes (JSON with the binary format embedded)."""
         doc = {
             "version": PLAN_VERSION,
-            "task": _b64(self.task.to_bytes()),
+            "task": b64(self.task.to_bytes()),
             "data": list(self.data_names),
-            "broadcast_type": _b64(serialization.serialize_type(self.broadcast_type)),
+            "broadcast_type": b64(serialization.serialize_type(self.broadcast_type)),
             "aggregations": [_aggregation_json(a) for a in self.aggregations],
         }
         if self.browser is not None:  # only then: plans for Python clients are unchanged
@@ -172,11 +172,11 @@ class RoundPlan:
                 raise serialization.malformed(
                     f"a round plan of version {PLAN_VERSION}", repr(doc)[:60]
                 )
-            task = serialization.deserialize_computation(_unb64(doc["task"]), trusted=True)
+            task = serialization.deserialize_computation(unb64(doc["task"]), trusted=True)
             names = doc["data"]
             if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
                 raise serialization.malformed("a list of client data names", repr(names)[:60])
-            broadcast_t = serialization.deserialize_type(_unb64(doc["broadcast_type"]))
+            broadcast_t = serialization.deserialize_type(unb64(doc["broadcast_type"]))
             aggregations = tuple(_aggregation_from_json(a) for a in doc["aggregations"])
             browser = doc.get("browser")
             if browser is not None and not isinstance(browser, dict):
@@ -188,11 +188,13 @@ class RoundPlan:
         return RoundPlan(task, tuple(names), broadcast_t, aggregations, browser)
 
 
-def _b64(data: bytes) -> str:
+def b64(data: bytes) -> str:
+    """Bytes as base64 text (how plans carry programs and types in JSON)."""
     return base64.b64encode(data).decode()
 
 
-def _unb64(text: Any) -> bytes:
+def unb64(text: Any) -> bytes:
+    """The bytes of base64 text; anything else is a `SerializationError`."""
     if not isinstance(text, str):
         raise serialization.malformed("base64 text", type(text).__name__)
     return base64.b64decode(text, validate=True)
@@ -202,13 +204,13 @@ def _aggregation_json(a: AggregationPlan) -> dict[str, Any]:
     args = []
     for value, t in zip(a.server_args, a.server_arg_types()):
         if isinstance(t, types.FunctionType):
-            args.append({"computation": _b64(value.to_bytes())})
+            args.append({"computation": b64(value.to_bytes())})
         else:
             python = structure.to_python(value, t)
-            args.append({"value": _b64(serialization.serialize_value(python, t))})
+            args.append({"value": b64(serialization.serialize_value(python, t))})
     return {
         "uri": a.uri,
-        "parameter_type": _b64(serialization.serialize_type(a.parameter_type)),
+        "parameter_type": b64(serialization.serialize_type(a.parameter_type)),
         "server_args": args,
     }
 
@@ -217,7 +219,7 @@ def _aggregation_from_json(doc: Any) -> AggregationPlan:
     uri = doc["uri"]
     if uri not in accumulate.AGGREGATIONS:
         raise serialization.malformed("an aggregation intrinsic", repr(uri))
-    parameter_t = serialization.deserialize_type(_unb64(doc["parameter_type"]))
+    parameter_t = serialization.deserialize_type(unb64(doc["parameter_type"]))
     shell = AggregationPlan(uri, parameter_t, ())
     arg_types = shell.server_arg_types()
     raw = doc["server_args"]
@@ -226,12 +228,12 @@ def _aggregation_from_json(doc: Any) -> AggregationPlan:
     args = []
     for entry, t in zip(raw, arg_types):
         if isinstance(t, types.FunctionType):
-            comp = serialization.deserialize_computation(_unb64(entry["computation"]), trusted=True)
+            comp = serialization.deserialize_computation(unb64(entry["computation"]), trusted=True)
             if not t.is_assignable_from(comp.type_signature):
                 raise serialization.malformed(f"a function of type {t}", comp.type_signature)
             args.append(comp)
         else:
-            value = serialization.deserialize_value(_unb64(entry["value"]), expected_type=t)
+            value = serialization.deserialize_value(unb64(entry["value"]), expected_type=t)
             args.append(structure.to_internal(value, t))
     return AggregationPlan(uri, parameter_t, tuple(args))
 

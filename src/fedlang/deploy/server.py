@@ -17,7 +17,6 @@ serve --db URL` runs it from the command line. TLS is uvicorn's: pass `ssl_keyfi
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
 import contextlib
 import os
@@ -237,7 +236,7 @@ class App:
         counters = self.store.counters()
         refused = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("refused:")}
         return {
-            "server": {"version": VERSION, "public_key": _b64(self.public_key)},
+            "server": {"version": VERSION, "public_key": plan_lib.b64(self.public_key)},
             "populations": self.store.populations(),
             "rounds": [r.to_json() for r in self.store.rounds()],
             "enrollments": counters.get("enrollments", 0),
@@ -255,8 +254,6 @@ class App:
         }
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 def _round_out(r: store_lib.Round) -> dict[str, Any]:
@@ -384,7 +381,7 @@ def create_app(server: App, tick: float = 1.0) -> fastapi.FastAPI:
             client_id=client_id,
             credential=credential,
             expires=expires,
-            public_key=_b64(server.public_key),
+            public_key=plan_lib.b64(server.public_key),
         )
 
     @v1.post("/checkin", tags=["client"])
