@@ -148,3 +148,37 @@ def test_sparse_partials(mode):
 def test_collecting_cannot_be_done_in_parts():
     with pytest.raises(TypeError, match="cannot be aggregated in parts"):
         accumulate.Collect(F32x3).partial()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "wrap", "partial", "final"),
+    [
+        (np.int32, 2**16, 2**64, lambda n: 2**20),  # a bit width: uint64 fast path
+        (np.int64, 2**64, 2**64, lambda n: 2**62),  # the whole int64 range wraps
+        (np.int32, 11, 11, lambda n: 11),  # a small modulus: uint64, reduced per chunk
+        (np.uint32, 2**32, 2**32, lambda n: 2**32),  # the IBLT's modular cells
+        (np.uint32, 1000003, 1000003, lambda n: 1000003),  # unsigned, not a power of two
+        (np.int64, 2**40 + 1, 2**40 + 1, lambda n: 2**40 + 1),  # too large: Python integers
+    ],
+)
+def test_modular_sum_fast_leaves_equal_exact_integers(dtype, wrap, partial, final):
+    """Whatever path a leaf takes (uint64 or Python integers), the sum is the exact one:
+    the inputs wrapped modulo `wrap`, summed, reduced modulo the final modulus; also when
+    folded in parts and merged, and for a replicated (server-side) chunk."""
+    rng = np.random.default_rng(0)
+    info = np.iinfo(dtype)
+    member = types.TensorType(dtype, [5])
+    values = [rng.integers(info.min, info.max, 5, dtype=dtype, endpoint=True) for _ in range(9)]
+
+    def make():
+        return accumulate.ModularSum(member, [wrap], lambda n: [final(n)], [partial])
+
+    exact = sum(np.mod(np.asarray(v).astype(object), wrap) for v in values) % final(9)
+    once = _fold_once(make, values, member)
+    assert [int(v) for v in once] == [int(v) for v in np.asarray(exact).astype(dtype)]
+    parts = _fold_in_parts(make, values, member, [[0, 1, 2, 3], [4], [5, 6, 7, 8]])
+    assert np.array_equal(parts, once)
+    acc = make()
+    acc.add(chunks.Rep(values[0]), 9)  # one value for nine clients
+    expected = np.mod(np.asarray(values[0]).astype(object), wrap) * 9 % final(9)
+    assert [int(v) for v in acc.result()] == [int(v) for v in np.asarray(expected).astype(dtype)]

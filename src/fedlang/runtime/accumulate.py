@@ -308,7 +308,15 @@ class Aggregate(Accumulator):
 
 
 class ModularSum(Accumulator):
-    """Exact integer sums of inputs wrapped modulo `wrap`, reduced modulo `modulus(n)` at the end."""
+    """Exact integer sums of inputs wrapped modulo `wrap`, reduced modulo `modulus(n)` at the end.
+
+    A leaf whose input wrap and partial modulus are both powers of two up to 2^64 is
+    summed in uint64 arithmetic (its natural wrap-around is exact modulo 2^64, hence
+    modulo every smaller power of two), as is a leaf wrapped modulo some m <= 2^32 and
+    reduced modulo m after every chunk; other leaves use exact Python integers. The
+    result is the same either way (`tests/runtime/test_accumulate.py` checks it), the
+    fast leaves without an object array per chunk.
+    """
 
     def __init__(
         self,
@@ -324,17 +332,32 @@ class ModularSum(Accumulator):
         # Partials are kept modulo a multiple of every final modulus (2^64 for bit
         # widths, whose group is 2^(b + ceil(log2 n)); the modulus itself otherwise).
         self.partial_moduli = partial_moduli or [1 << 64] * len(self.leaf_types)
+        self.fast = [
+            _fast_modulus(w, m) for w, m in zip(self.wrap, self.partial_moduli, strict=True)
+        ]
 
     def add(self, cv: Any, c: int) -> None:
-        sums = []
+        sums: list[Any] = []
         for i, (x, rep) in enumerate(_leaf_chunks(cv, self.member)):
+            if self.fast[i]:
+                wrapped = _wrap_u64(np.asarray(x), self.wrap[i])
+                if rep:
+                    sums.append(wrapped * np.uint64(c))
+                else:
+                    sums.append(wrapped.sum(axis=0, dtype=np.uint64) if c else np.uint64(0))
+                continue
             wrapped = _mod(np.asarray(x).astype(object), self.wrap[i])
             sums.append(wrapped * c if rep else (wrapped.sum(axis=0) if c else 0))
         self._add_total(sums)
         self.count += c
 
     def _add_total(self, sums: list[Any]) -> None:
-        self.total = sums if self.total is None else [a + b for a, b in zip(self.total, sums)]
+        if self.total is not None:
+            sums = [a + b for a, b in zip(self.total, sums)]
+        self.total = [
+            _reduce_u64(x, self.partial_moduli[i]) if self.fast[i] else x
+            for i, x in enumerate(sums)
+        ]
 
     @property
     def partial_type(self) -> types.Type:
@@ -345,8 +368,15 @@ class ModularSum(Accumulator):
         totals = []
         for i, lt in enumerate(self.leaf_types):
             total = 0 if self.total is None else self.total[i]
+            shape = [d or 0 for d in lt.shape]
+            if self.fast[i]:
+                reduced = np.zeros(shape, np.uint64) + _reduce_u64(
+                    np.asarray(total, np.uint64), self.partial_moduli[i]
+                )
+                totals.append(reduced)
+                continue
             reduced = _mod(
-                np.asarray(total, dtype=object) + np.zeros([d or 0 for d in lt.shape], object),
+                np.asarray(total, dtype=object) + np.zeros(shape, object),
                 self.partial_moduli[i],
             )
             totals.append(np.asarray(reduced.astype(np.uint64)))
@@ -354,7 +384,12 @@ class ModularSum(Accumulator):
 
     def merge(self, partial: Any) -> None:
         totals, count = partial
-        self._add_total([np.asarray(x).astype(object) for x in totals])
+        self._add_total(
+            [
+                np.asarray(x, np.uint64) if self.fast[i] else np.asarray(x).astype(object)
+                for i, x in enumerate(totals)
+            ]
+        )
         self.count += int(count)
 
     def result(self) -> Any:
@@ -363,12 +398,43 @@ class ModularSum(Accumulator):
         for i, lt in enumerate(self.leaf_types):
             total = 0 if self.total is None else self.total[i]
             acc = _mod(
-                np.asarray(total, dtype=object)
+                np.asarray(total).astype(object)
                 + np.zeros([d or 0 for d in lt.shape], dtype=object),
                 moduli[i],
             )
             leaves.append(np.asarray(acc.astype(np.int64)).astype(lt.dtype))
         return structure.unflatten(leaves, self.member)
+
+
+def _is_pow2(m: int) -> bool:
+    return m > 0 and m & (m - 1) == 0
+
+
+def _fast_modulus(wrap: int, partial_modulus: int) -> bool:
+    """Whether a leaf can be summed exactly in uint64 (see `ModularSum`)."""
+    if _is_pow2(wrap) and _is_pow2(partial_modulus):
+        return wrap <= 1 << 64 and partial_modulus <= 1 << 64
+    return wrap == partial_modulus and wrap <= 1 << 32
+
+
+def _wrap_u64(x: np.ndarray, wrap: int) -> np.ndarray:
+    """Integer inputs modulo `wrap` as uint64 (`wrap` a power of two <= 2^64, or <= 2^32)."""
+    if _is_pow2(wrap):
+        # Two's complement: the cast is exact modulo 2^64, so masking is exact modulo wrap.
+        u = x.astype(np.int64).astype(np.uint64) if x.dtype.kind == "i" else x.astype(np.uint64)
+        return u if wrap == 1 << 64 else u & np.uint64(wrap - 1)
+    if x.dtype.kind == "u":
+        return np.mod(x.astype(np.uint64), np.uint64(wrap))
+    return np.mod(x.astype(np.int64), np.int64(wrap)).astype(np.uint64)
+
+
+def _reduce_u64(x: Any, modulus: int) -> Any:
+    """A uint64 total modulo `modulus` (a power of two <= 2^64, or at most 2^32)."""
+    if modulus == 1 << 64:
+        return x
+    if _is_pow2(modulus):
+        return x & np.uint64(modulus - 1)
+    return x % np.uint64(modulus)
 
 
 def _mod(values: Any, modulus: int) -> Any:
