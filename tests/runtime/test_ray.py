@@ -255,3 +255,22 @@ def test_bad_settings_are_refused():
         RayContext(num_workers=0)
     with pytest.raises(ValueError, match="tasks_per_worker"):
         RayContext(tasks_per_worker=0)
+    with pytest.raises(ValueError, match="start_timeout"):
+        RayContext(start_timeout=0)
+
+
+def test_more_workers_than_the_cluster_can_place_fail_at_once_and_the_next_call_works():
+    @fl.federated_computation(fl.type_at_clients(np.float32))
+    def total(x):
+        return fl.federated_sum(x)
+
+    # the session has 2 CPUs: a third worker would wait for one forever
+    with (context.with_context(RayContext(num_workers=3)),
+          pytest.raises(ValueError, match=r"num_workers=3 .* has 2: .*num_workers <= 2")):
+        total([1.0, 2.0])
+    # workers that cannot start in time: the call fails naming the resources, no pool is kept
+    with (context.with_context(RayContext(num_workers=1, start_timeout=1e-4)),
+          pytest.raises(RuntimeError, match=r"did not all start within .*start_timeout=")):
+        total([1.0, 2.0])
+    with context.with_context(RayContext(num_workers=2)):
+        assert total([1.0, 2.0]) == 3.0

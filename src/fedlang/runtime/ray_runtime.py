@@ -95,7 +95,7 @@ class _Pool:
     """The actors computing waves, shared by every `RayContext` of this process and Ray
     session (contexts are cheap; actors hold processes, JAX and compiled programs)."""
 
-    def __init__(self, num_workers: int, num_gpus: float):
+    def __init__(self, num_workers: int, num_gpus: float, start_timeout: float):
         import ray
 
         self.num_gpus = num_gpus
@@ -103,6 +103,19 @@ class _Pool:
             ray_wave.Worker
         )
         self.actors = [self._start() for _ in range(num_workers)]
+        try:
+            # An actor Ray cannot place (its CPU or GPU is held by another job, or a node
+            # never joins) would make every wave wait forever: fail with what to do.
+            ray.get([a.where.remote() for a in self.actors], timeout=start_timeout)
+        except ray.exceptions.GetTimeoutError:
+            self.close()
+            each = "one GPU" if num_gpus else "one CPU"
+            raise RuntimeError(
+                f"{num_workers} Ray workers ({each} each) did not all start within "
+                f"{start_timeout:g} s; the cluster has {ray.cluster_resources()} and "
+                f"{ray.available_resources()} free. Ask for fewer workers (num_workers=), "
+                "free what other Ray jobs hold, or wait longer (start_timeout=)."
+            ) from None
 
     def _start(self) -> Any:
         import jax
@@ -142,7 +155,7 @@ def _session() -> str:
     return f"{ctx.gcs_address}/{ctx.get_job_id()}"
 
 
-def _pool(num_workers: int, num_gpus: float) -> _Pool:
+def _pool(num_workers: int, num_gpus: float, start_timeout: float) -> _Pool:
     session = _session()
     key = (session, num_workers, num_gpus)
     if key not in _POOLS:
@@ -150,7 +163,7 @@ def _pool(num_workers: int, num_gpus: float) -> _Pool:
         # this one needs, and Ray would wait for them forever.
         for other in [k for k in _POOLS if k[0] == session]:
             _POOLS.pop(other).close()
-        _POOLS[key] = _Pool(num_workers, num_gpus)
+        _POOLS[key] = _Pool(num_workers, num_gpus, start_timeout)
     return _POOLS[key]
 
 
@@ -215,6 +228,8 @@ class RayContext(simulation.SimulationContext):
       max_retries: tasks re-run after their actor died before the wave fails.
       task_hook: `hook(task_index)` called on the worker before each task, and
         `hook(-1)` before each merge (for fault injection in tests; None normally).
+      start_timeout: seconds the workers may take to start (be placed on the cluster
+        and import fedlang) before the call fails with what to change.
     """
 
     name = "ray"
@@ -228,6 +243,7 @@ class RayContext(simulation.SimulationContext):
         tasks_per_worker: int = 2,
         max_retries: int = 3,
         task_hook: Any = None,
+        start_timeout: float = 300.0,
         **kwargs: Any,
     ):
         super().__init__(options, **kwargs)
@@ -238,8 +254,11 @@ class RayContext(simulation.SimulationContext):
         self.num_workers = num_workers
         self.use_gpus = use_gpus
         self.tasks_per_worker = tasks_per_worker
+        if start_timeout <= 0:
+            raise ValueError(f"start_timeout must be positive seconds, found {start_timeout}.")
         self.max_retries = max_retries
         self.task_hook = task_hook
+        self.start_timeout = start_timeout
         self.registry = ray_wave.Registry()
         self.transfers = Transfers()
         self.last_transfers: Transfers | None = None
@@ -268,8 +287,16 @@ class RayContext(simulation.SimulationContext):
         use_gpus = gpus > 0 if self.use_gpus is None else self.use_gpus
         if use_gpus and not gpus:
             raise ValueError("use_gpus=True, but the Ray cluster has no GPUs.")
-        count = self.num_workers or (gpus if use_gpus else max(int(resources.get("CPU", 1)), 1))
-        return _pool(count, 1 if use_gpus else 0)
+        cpus = int(resources.get("CPU", 0))
+        count = self.num_workers or (gpus if use_gpus else max(cpus, 1))
+        have, what = (gpus, "GPUs") if use_gpus else (cpus, "CPUs")
+        if count > have:
+            raise ValueError(
+                f"num_workers={count} asks for one of the cluster's {what} each, but it has "
+                f"{have}: each worker would wait for a free one forever. Use num_workers <= "
+                f"{have} (or None: one per {what[:-1]}), or add nodes to the cluster."
+            )
+        return _pool(count, 1 if use_gpus else 0, self.start_timeout)
 
     def compute(self, spec: ray_wave.WaveSpec, sources: ray_wave.Portable, n: int) -> list[list[Any]]:
         """A wave's partials over `n` clients (lists of one partial per aggregation), to
