@@ -125,6 +125,23 @@ def batch_size(batch_leaves: Sequence[Any]) -> int:
     return 1
 
 
+
+def pad_batch(batch: list[Any], like: list[Any]) -> list[Any]:
+    """`batch`'s leaves padded with zero examples to the shapes of `like`'s, when they
+    differ only in the number of examples (a client's last, smaller batch joining a run
+    of full ones; the mask marks the padding); otherwise `batch` unchanged."""
+    n, target = batch_size(batch), batch_size(like)
+    if n >= target or len(batch) != len(like):
+        return batch
+    for x, y in zip(batch, like):
+        sx, sy = np.shape(x), np.shape(y)
+        if len(sx) != len(sy) or (sx and (sx[0] != n or sx[1:] != sy[1:])) or (not sx and sy):
+            return batch
+    return [
+        np.pad(np.asarray(x), [(0, target - n)] + [(0, 0)] * (np.ndim(x) - 1)) if np.ndim(x) else x
+        for x in batch
+    ]
+
 _FULL_MASKS: dict[int, np.ndarray] = {}
 
 

@@ -368,7 +368,7 @@ class LocalRunner:
         for b in batches:
             shapes = [np.shape(x) for x in b]
             if run and comp.masked and shapes != [np.shape(x) for x in run[0]]:
-                b = _pad_to(b, run[0])  # a smaller (tail) batch joins the run, padded and masked
+                b = local.pad_batch(b, run[0])  # a smaller (tail) batch joins the run, padded and masked
                 shapes = [np.shape(x) for x in b]
             full = len(run) >= MAX_SEGMENT or window_bytes >= self.memory_budget
             if run and (full or shapes != [np.shape(x) for x in run[0]]):
@@ -513,21 +513,6 @@ def _one(value: Any) -> list[Any]:
 
 def _flatten_as(t: types.Type, value: Any) -> list[Any]:
     return structure.flatten(value, t)
-
-
-def _pad_to(batch: list[Any], like: list[Any]) -> list[Any]:
-    """`batch` padded with zero examples (mask 0) to the shapes of `like`, if it fits."""
-    n, target = local.batch_size(batch), local.batch_size(like)
-    if n >= target or len(batch) != len(like):
-        return batch
-    for x, y in zip(batch, like):
-        sx, sy = np.shape(x), np.shape(y)
-        if len(sx) != len(sy) or (sx and (sx[0] != n or sx[1:] != sy[1:])) or (not sx and sy):
-            return batch
-    return [
-        np.pad(np.asarray(x), [(0, target - n)] + [(0, 0)] * (np.ndim(x) - 1)) if np.ndim(x) else x
-        for x in batch
-    ]
 
 
 WARM_BYTES = 64 << 20  # the largest zero segment compiled ahead

@@ -92,21 +92,6 @@ def _split_body(
     return body, []
 
 
-def _pad_to(batch: list[Any], like: list[Any]) -> list[Any]:
-    """`batch` padded with zero examples (mask 0) to the shapes of `like`, if it fits."""
-    n, target = local.batch_size(batch), local.batch_size(like)
-    if n >= target or len(batch) != len(like):
-        return batch
-    for x, y in zip(batch, like):
-        sx, sy = np.shape(x), np.shape(y)
-        if len(sx) != len(sy) or (sx and (sx[0] != n or sx[1:] != sy[1:])) or (not sx and sy):
-            return batch
-    return [
-        np.pad(np.asarray(x), [(0, target - n)] + [(0, 0)] * (np.ndim(x) - 1)) if np.ndim(x) else x
-        for x in batch
-    ]
-
-
 MIN_LENGTH = 8  # the fewest batches a group is padded to
 
 
@@ -150,7 +135,7 @@ def map_vmapped(
     counters.add(host_to_device=1)
     bodies, rests = [], []
     for batches in _client_batches(comp, cv, c, pad, streams):
-        body, rest = _split_body(comp, batches, _pad_to)
+        body, rest = _split_body(comp, batches, local.pad_batch)
         bodies.append(body)
         rests.append(rest)
     # Group clients by batch shape, then by number of batches. Every group has `rows`
