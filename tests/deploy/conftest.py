@@ -16,6 +16,7 @@ import threading
 import time
 
 import httpx
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -212,6 +213,29 @@ def server_process(tmp_path):
     yield make
     for p in made:
         p.kill()
+
+
+POINT = fl.to_type({"a": np.float32, "n": np.int32})
+
+
+@fl.jax_computation(fl.SequenceType(POINT))
+def _ints(ds):
+    return ds.reduce(
+        {"q": np.int32(0), "r": np.zeros(3, np.int32)},
+        lambda st, p: {"q": st["q"] + p["n"], "r": st["r"] + p["n"] * jnp.arange(3, dtype=np.int32)},
+    )
+
+
+@fl.federated_computation(fl.type_at_clients(fl.SequenceType(POINT)))
+def secure_and_plain(data):
+    """Per client q = sum of n and r = sum of n * [0, 1, 2], summed three ways: by
+    SecAgg+ with 6 bits, modulo 7, and in the clear (the secure rounds' tests compare them)."""
+    ints = fl.federated_map(_ints, data)
+    return {
+        "bits": fl.federated_secure_sum_bitwidth(ints, 6),
+        "mod": fl.federated_secure_modular_sum(ints, 7),
+        "plain": fl.federated_sum(ints),
+    }
 
 
 BATCH = fl.to_type({"x": fl.TensorType(np.float32, [None, 3])})

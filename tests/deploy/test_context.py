@@ -11,6 +11,8 @@ from fedlang import deploy
 from fedlang.core import context
 from fedlang.learning import algorithms, models
 
+from .conftest import POINT, secure_and_plain
+
 SPEC = {"x": (np.float32, [None, 2]), "y": (np.int32, [None])}
 
 
@@ -61,7 +63,6 @@ def test_fedavg_on_clients_equals_the_simulation_runtime():
     )
 
 
-POINT = fl.to_type({"a": np.float32, "n": np.int32})
 
 
 @fl.jax_computation(fl.SequenceType(POINT))
@@ -139,22 +140,6 @@ def test_a_task_needing_data_the_client_lacks_says_which():
 # Secure aggregation: inputs are summed by SecAgg+, results equal the simulation's exactly
 
 
-@fl.jax_computation(fl.SequenceType(POINT))
-def _ints(ds):
-    return ds.reduce(
-        {"q": np.int32(0), "r": np.zeros(3, np.int32)},
-        lambda st, p: {"q": st["q"] + p["n"], "r": st["r"] + p["n"] * jnp.arange(3, dtype=np.int32)},
-    )
-
-
-@fl.federated_computation(fl.type_at_clients(fl.SequenceType(POINT)))
-def _secure_and_plain(data):
-    ints = fl.federated_map(_ints, data)
-    return {
-        "bits": fl.federated_secure_sum_bitwidth(ints, 6),
-        "mod": fl.federated_secure_modular_sum(ints, 7),
-        "plain": fl.federated_sum(ints),
-    }
 
 
 def test_secure_sums_on_clients_equal_the_simulation_exactly():
@@ -165,8 +150,8 @@ def test_secure_sums_on_clients_equal_the_simulation_exactly():
     }
     ctx = deploy.DeploymentContext(deploy.LocalRounds({c: {"d": b} for c, b in data.items()}))
     with context.with_context(ctx):
-        got = _secure_and_plain(deploy.client_data("d"))
-    want = _secure_and_plain(list(data.values()))
+        got = secure_and_plain(deploy.client_data("d"))
+    want = secure_and_plain(list(data.values()))
     for k in ("bits", "mod", "plain"):
         for name in ("q", "r"):
             np.testing.assert_array_equal(got[k][name], want[k][name])
@@ -188,7 +173,7 @@ class _Recording:
 def test_plain_reports_of_a_secure_round_carry_no_secure_input():
     runner = _Recording({"c": {"d": [{"a": np.float32(0), "n": np.int32(5)}]}})
     with context.with_context(deploy.DeploymentContext(runner)):
-        _secure_and_plain(deploy.client_data("d"))
+        secure_and_plain(deploy.client_data("d"))
     (plan,) = runner.plans
     assert plan.secure == (0, 1)
     # Only federated_sum's partial travels in the plain report; the others go masked.

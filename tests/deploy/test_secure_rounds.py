@@ -12,7 +12,6 @@ import sqlite3
 import time
 
 import httpx
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -24,29 +23,12 @@ from fedlang.deploy import execution, http, protocol, secagg
 from fedlang.deploy.secagg import Stage, messages, wire
 
 from . import secagg_privacy
-from .conftest import capture
+from .conftest import capture, secure_and_plain
 
 API = "/v1"
-POINT = fl.to_type({"a": np.float32, "n": np.int32})
 TIMEOUT = 30.0  # the rounds' stage timeout, on the test's clock
 
 
-@fl.jax_computation(fl.SequenceType(POINT))
-def _ints(ds):
-    return ds.reduce(
-        {"q": np.int32(0), "r": np.zeros(3, np.int32)},
-        lambda st, p: {"q": st["q"] + p["n"], "r": st["r"] + p["n"] * jnp.arange(3, dtype=np.int32)},
-    )
-
-
-@fl.federated_computation(fl.type_at_clients(fl.SequenceType(POINT)))
-def secure_and_plain(data):
-    ints = fl.federated_map(_ints, data)
-    return {
-        "bits": fl.federated_secure_sum_bitwidth(ints, 6),
-        "mod": fl.federated_secure_modular_sum(ints, 7),
-        "plain": fl.federated_sum(ints),
-    }
 
 
 @pytest.fixture(scope="module")
