@@ -210,18 +210,9 @@ class SecureRounds:
                     f"Expected a valid {stage_name(stage)} message: {e}", reason="secagg"
                 ) from e
             if checked is not None:
-                aggregate = bytes(tx.one("SELECT data FROM aggregates WHERE round = ?", (r.id,))[0])
-                tx.run(
-                    "UPDATE aggregates SET data = ?, reports = reports + 1 WHERE round = ?",
-                    (folder.fold(aggregate, checked), r.id),
+                store_lib.fold_report(
+                    tx, r.id, client_id, lambda aggregate: folder.fold(aggregate, checked), now
                 )
-                tx.run(
-                    "UPDATE assignments SET state = 'reported', updated = ? WHERE round = ?"
-                    " AND client = ?",
-                    (now, r.id, client_id),
-                )
-                tx.run("UPDATE rounds SET reports = reports + 1 WHERE id = ?", (r.id,))
-                tx.count("reports:accepted")
             tx.run(
                 "INSERT INTO reports (round, client, stage, digest, size, accepted)"
                 " VALUES (?, ?, ?, ?, ?, ?)",

@@ -226,6 +226,25 @@ def end_round(tx: sql.Tx, round_id: int, state: str, failure: str, now: float) -
     tx.count(f"rounds:{state}")
 
 
+
+def fold_report(
+    tx: sql.Tx, round_id: int, client_id: str, fold: Callable[[bytes], bytes], now: float
+) -> None:
+    """Folds an accepted report into its round's stored aggregate (`fold(aggregate)`),
+    marks the client's assignment reported, and counts the report, in `tx`."""
+    aggregate = bytes(tx.one("SELECT data FROM aggregates WHERE round = ?", (round_id,))[0])
+    tx.run(
+        "UPDATE aggregates SET data = ?, reports = reports + 1 WHERE round = ?",
+        (fold(aggregate), round_id),
+    )
+    tx.run(
+        "UPDATE assignments SET state = 'reported', updated = ? WHERE round = ?"
+        " AND client = ?",
+        (now, round_id, client_id),
+    )
+    tx.run("UPDATE rounds SET reports = reports + 1 WHERE id = ?", (round_id,))
+    tx.count("reports:accepted")
+
 class Store:
     """The task store on a database (see the module docstring).
 
@@ -665,23 +684,12 @@ class Store:
                 r = self._round(tx, round_id)
             if self._admissible(tx, r, client_id, digest):
                 return False
-            aggregate = bytes(tx.one("SELECT data FROM aggregates WHERE round = ?", (r.id,))[0])
-            tx.run(
-                "UPDATE aggregates SET data = ?, reports = reports + 1 WHERE round = ?",
-                (fold(aggregate), r.id),
-            )
+            fold_report(tx, r.id, client_id, fold, now)
             tx.run(
                 "INSERT INTO reports (round, client, stage, digest, size, accepted)"
                 " VALUES (?, ?, 0, ?, ?, ?)",
                 (r.id, client_id, digest, size, now),
             )
-            tx.run(
-                "UPDATE assignments SET state = 'reported', updated = ? WHERE round = ?"
-                " AND client = ?",
-                (now, r.id, client_id),
-            )
-            tx.run("UPDATE rounds SET reports = reports + 1 WHERE id = ?", (r.id,))
-            tx.count("reports:accepted")
             if r.reports + 1 >= r.target:
                 self._close(tx, self._round(tx, r.id), now)
         return True
