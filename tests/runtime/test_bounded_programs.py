@@ -169,3 +169,18 @@ def test_learning_api_fedavg_agrees_on_every_strategy():
         got = weights_after_round(ctx)
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=strategy)
+
+
+def test_wide_vectorized_groups_agree_with_the_reference():
+    # 100 clients in one group of 128 rows (the width an accelerator uses): vectorized
+    # matrix products sum in another order than one client's, so results agree to float
+    # rounding, not bit for bit (bench/strategy_agreement.py measures it over rounds).
+    rng = np.random.default_rng(6)
+    cohort = [client(rng, n) for n in rng.integers(1, 60, size=100)]
+    w = np.array([0.5, -1.0, 2.0], np.float32)
+    fed_round = make_round()
+    want = on(reference.ReferenceContext(), fed_round, w, cohort)
+    ctx = SimulationContext(strategy="vmap", vmap_width=100, chunk_size=100, decision_cache=False)
+    got = on(ctx, fed_round, w, cohort)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-6)

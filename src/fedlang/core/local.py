@@ -85,6 +85,10 @@ class LocalProgram(LocalComputation, Protocol):
     def part(self, name: str) -> Callable[..., list[Any]]:
         """The flat program `name` (one of `PARTS`), traceable by the backend."""
 
+    def tuned_part(self, name: str) -> Callable[..., list[Any]]:
+        """`part(name)` as runtimes compile it: the backend may rewrite it for the
+        platform it runs on (same results, faster); `part` stays what is exported."""
+
     def run(self, name: str, leaves: list[Any]) -> list[Any]:
         """Runs the compiled program `name` on flat leaves (compiled once, cached)."""
 

@@ -37,6 +37,7 @@ def simulation_context(
     auto_budget_s: float = 1.0,
     decision_cache: bool | str = True,
     progress: bool | None = None,
+    client_threads: int | None = None,
 ) -> Iterator[SimulationContext]:
     """Runs computations called in the body on the simulation runtime.
 
@@ -52,6 +53,8 @@ def simulation_context(
       decision_cache: where 'auto' remembers its decisions across runs (True: the
         default file, a path, or False).
       progress: say on stderr when 'auto' measures (None: when stderr is a terminal).
+      client_threads: clients run at once on one CPU device (None: one per core when
+        the step has a convolution, which XLA:CPU runs on one thread; else 1).
 
     Example:
       >>> import numpy as np, fedlang as fl
@@ -73,6 +76,7 @@ def simulation_context(
             auto_budget_s,
             decision_cache,
             progress,
+            client_threads,
         )
     )
     with ctx, _context.with_context(ctx):

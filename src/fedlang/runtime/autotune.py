@@ -202,6 +202,20 @@ def step_text(comp: Any, leaves: list[Any], batch: list[Any]) -> str | None:
         return None
 
 
+def abstract_step_text(comp: Any) -> str | None:
+    """The jaxpr of a `LocalProgram`'s step on abstract arguments (unknown dimensions
+    symbolic), without any client's data; None if it cannot be had."""
+    if comp.state_type is None:
+        return None
+    from fedlang.backends.jax import computation as jax_computation
+
+    try:
+        avals = jax_computation.program_avals(comp)["step"]
+        return program_text(comp.part("step"), avals)
+    except (TypeError, ValueError, NotImplementedError, KeyError):
+        return None
+
+
 def prior(text: str | None, platform: str) -> str | None:
     """What is known without measuring: XLA:CPU runs a convolution inside a loop program
     or vectorized over clients about 10x slower than one call per batch (measured in

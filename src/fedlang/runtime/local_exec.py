@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import itertools
+import os
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
@@ -58,6 +59,8 @@ class LocalRunner:
       vmap_width: clients per vectorized group; None picks the widest that fits the
         chunk and the device's memory.
       tuner: how 'auto' measures and remembers (default: in memory, 1 s budget).
+      client_threads: clients run at once on one CPU device by the per-client
+        strategies; None: `client_threads_for` decides per computation.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class LocalRunner:
         devices: list | None = None,
         vmap_width: int | None = None,
         tuner: autotune.Tuner | None = None,
+        client_threads: int | None = None,
     ):
         if strategy not in STRATEGIES:
             raise ValueError(f"Unknown strategy {strategy!r}; expected one of {STRATEGIES}.")
@@ -76,7 +80,11 @@ class LocalRunner:
         self._devices = devices
         self.tuner = tuner or autotune.Tuner(cache=False)
         self._batch_sizes: dict[Hashable, int] = {}
+        self.client_threads = client_threads
+        self._threads: dict[Hashable, int] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._client_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._client_pool_size = 0
 
     @property
     def choices(self) -> dict[Any, Choice]:
@@ -93,9 +101,10 @@ class LocalRunner:
 
     def close(self) -> None:
         """Stops the device worker threads (a later run starts them again)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in (self._pool, self._client_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._client_pool = None
 
     # -- without a dataset: one vmap over the chunk ---------------------------------------
 
@@ -122,7 +131,7 @@ class LocalRunner:
             )
         key = ("vmap", tuple(axes))
         prog = comp.program(
-            key, lambda: jax.jit(jax.vmap(comp.part("fn"), in_axes=tuple(axes)))
+            key, lambda: jax.jit(jax.vmap(comp.tuned_part("fn"), in_axes=tuple(axes)))
         )
         if len(self.devices) == 1 or c < 2 * len(self.devices):
             return structure.unflatten(prog(*leaves), result_t)
@@ -193,6 +202,13 @@ class LocalRunner:
             return list(out)
 
         if len(self.devices) == 1 or c < 2:
+            threads = min(c, self._threads_for(comp))
+            if threads > 1:
+                # One CPU device, several cores: XLA:CPU runs some programs (convolutions)
+                # on one thread, so clients run side by side; a free thread takes the
+                # next client, and results keep the clients' order (the same sums).
+                outs = list(self._threads_pool(threads).map(client, range(c)))
+                return _gather(outs, result_t, self.devices[0].platform)
             # Results stay device arrays: no wait per client, one gather per chunk.
             return _gather([client(i) for i in range(c)], result_t, self.devices[0].platform)
         # Several devices: one worker thread per device takes clients round-robin. JAX
@@ -265,6 +281,26 @@ class LocalRunner:
         if self.tuner.path is None or text is None:
             return None
         return autotune.decision_key(kind, text, batch, self.devices[0])
+
+    def _threads_for(self, comp: Any) -> int:
+        if self.client_threads is not None:
+            return self.client_threads
+        key = comp.cache_key
+        n = self._threads.get(key)
+        if n is None:
+            n = self._threads[key] = client_threads_for(comp, self.devices)
+        return n
+
+    def _threads_pool(self, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+        pool = self._client_pool
+        if pool is None or self._client_pool_size != threads:
+            if pool is not None:
+                pool.shutdown(wait=True)
+            pool = self._client_pool = concurrent.futures.ThreadPoolExecutor(
+                threads, thread_name_prefix="fedlang-client"
+            )
+            self._client_pool_size = threads
+        return pool
 
     def _device_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
@@ -428,6 +464,33 @@ class LocalRunner:
         return out
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def client_threads_for(comp: Any, devices: list) -> int:
+    """How many clients of `comp` the per-client strategies run at once.
+
+    On one CPU device with several cores, a step with a convolution runs one client per
+    core: XLA:CPU runs convolutions on one thread (the FedAvg paper's CNN steps as fast
+    on one core as on two), so clients side by side are what uses the other cores
+    (1.5x on 2 cores, `bench/cnn_cpu.py`). Other steps run one client at a time: small
+    ones are bound by dispatch, which threads contend for, and XLA already spreads
+    large matrix products over the cores. Accelerators and several devices: 1 (they
+    have their own parallelism)."""
+    if len(devices) != 1 or devices[0].platform != "cpu" or comp.state_type is None:
+        return 1
+    cores = usable_cores()
+    if cores < 2:
+        return 1
+    text = autotune.abstract_step_text(comp)
+    return cores if text is not None and "conv_general_dilated" in text else 1
+
+
 def select_many(fn: local.LocalProgram, server_val: Any, keys: np.ndarray) -> list[Any]:
     """`[fn(server_val, k) for k in keys]` for a vectorizable computation, as one vmapped call.
 
@@ -438,7 +501,7 @@ def select_many(fn: local.LocalProgram, server_val: Any, keys: np.ndarray) -> li
     leaves = [jax.numpy.asarray(x) for x in fn.arg_leaves([server_val, np.int32(0)])[:-1]]
     many = fn.program(
         ("select_many", len(leaves)),
-        lambda: jax.jit(jax.vmap(fn.part("fn"), in_axes=(*[None] * len(leaves), 0))),
+        lambda: jax.jit(jax.vmap(fn.tuned_part("fn"), in_axes=(*[None] * len(leaves), 0))),
     )
     padded = np.zeros(1 << max(len(keys) - 1, 0).bit_length(), np.int32)  # few compiled sizes
     padded[: len(keys)] = keys
@@ -544,9 +607,9 @@ def _segment_program(
     optionally starting with the prologue (no state argument) and ending with the
     epilogue (returns the result leaves). `count` is an argument, so every client
     length in a bucket shares the program, and padding batches are never computed."""
-    step = comp.part("step")
-    start_fn = comp.part("prologue") if prologue else None
-    end_fn = comp.part("epilogue") if epilogue else None
+    step = comp.tuned_part("step")
+    start_fn = comp.tuned_part("prologue") if prologue else None
+    end_fn = comp.tuned_part("epilogue") if epilogue else None
 
     def program(*flat: Any) -> list[Any]:
         args, count = flat[:n_args], flat[-1]

@@ -196,7 +196,10 @@ class RayRun(simulation.Run):
                 uuid.uuid4().hex,
                 [portable.node(a.input) for a in wave],
                 [ray_wave.aggregation_spec(a) for a in wave],
-                dataclasses.replace(self.ctx.options, num_clients=None, progress=False),
+                # One client at a time per worker: a worker holds one CPU (or one GPU).
+                dataclasses.replace(
+                    self.ctx.options, num_clients=None, progress=False, client_threads=1
+                ),
                 self.ctx.task_hook,
             )
         except ray_wave.NotPortable:

@@ -51,6 +51,9 @@ class Options:
         default file (`autotune.default_cache_path()`), a path, or False (memory only).
       progress: say on stderr when 'auto' measures: True, False, or None (when stderr
         is a terminal). It is also logged to the `fedlang.runtime` logger.
+      client_threads: clients the per-client strategies run at once on one CPU device;
+        None: one per core for steps with a convolution (XLA:CPU runs those on one
+        thread), else 1 (`local_exec.client_threads_for`). Results do not depend on it.
     """
 
     chunk_size: int | None = None
@@ -62,8 +65,14 @@ class Options:
     auto_budget_s: float = 1.0
     decision_cache: bool | str = True
     progress: bool | None = None
+    client_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.client_threads is not None and self.client_threads < 1:
+            raise ValueError(
+                f"client_threads must be a positive number of threads or None, found "
+                f"{self.client_threads}."
+            )
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(
                 f"chunk_size must be a positive number of clients, found {self.chunk_size}."
@@ -485,6 +494,7 @@ class SimulationContext:
             o.memory_budget,
             vmap_width=o.vmap_width,
             tuner=autotune.Tuner(o.auto_budget_s, o.decision_cache, o.progress),
+            client_threads=o.client_threads,
         )
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.last_run: RunStats | None = None

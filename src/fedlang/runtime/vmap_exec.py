@@ -245,7 +245,7 @@ def _run_group(
 def _group_program(
     comp: Any, arg_axes: list[int | None], n_args: int, n_leaves: int, fused: bool
 ) -> Any:
-    prologue, step, epilogue = comp.part("prologue"), comp.part("step"), comp.part("epilogue")
+    prologue, step, epilogue = (comp.tuned_part(p) for p in ("prologue", "step", "epilogue"))
 
     def one_client(*flat: Any) -> list[Any]:
         args, batches, valid = flat[:n_args], flat[n_args : n_args + n_leaves], flat[-1]

@@ -17,9 +17,9 @@ docs/deploy.md "Browser clients"):
 Each rule here rewrites its primitive into other JAX primitives that convert cleanly
 (transposes, elementwise ops, reductions, strided slices, padding), with exactly the
 primitive's semantics, so each is tested against JAX itself, not against a converter.
-`rewrite(fn)` applies them while tracing: it re-traces `fn`'s jaxpr and binds every
-equation as is, except those a rule rewrites; calls (`jit`, `custom_jvp_call`, ...)
-are inlined so rules apply inside them. `check(jaxpr, supported)` walks a jaxpr and
+`rewrite(fn)` applies them while tracing, through `backends/jax/rewrite.py`: it
+re-traces `fn`'s jaxpr and binds every equation as is, except those a rule rewrites;
+calls (`jit`, `custom_jvp_call`, ...) are inlined so rules apply inside them. `check(jaxpr, supported)` walks a jaxpr and
 names the first primitive neither a rule nor the converter handles.
 """
 
@@ -30,20 +30,15 @@ import itertools
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
 
-# Call-like primitives whose body runs once with the same arguments: inlined, so the
-# rules apply inside them (the exported program is forward-only, so custom derivative
-# rules are not needed any more).
-INLINED = frozenset(
-    {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-     "custom_vjp_call_jaxpr", "remat", "checkpoint"}
-)
-_BODY_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+from fedlang.backends.jax import rewrite as jax_rewrite
+
+# Calls are inlined so the rules apply inside them (`backends/jax/rewrite.py`).
+INLINED = jax_rewrite.INLINED
 
 
 class UnsupportedPrimitive(TypeError):
@@ -355,58 +350,31 @@ def _select_and_scatter_add(eqn: Any, source: Any, operand: Any) -> list[Any]:
 
 
 def _body(eqn: Any) -> tuple[Any, Sequence[Any]]:
-    for key in _BODY_PARAMS:
-        body = eqn.params.get(key)
-        if body is not None:
-            if isinstance(body, jcore.ClosedJaxpr):
-                return body.jaxpr, body.consts
-            return body, ()
-    raise UnsupportedPrimitive(
-        eqn.primitive.name, f"Expected a body in the call {eqn.primitive.name}, found none."
-    )
+    try:
+        return jax_rewrite.body(eqn)
+    except TypeError as e:
+        raise UnsupportedPrimitive(eqn.primitive.name, str(e)) from None
+
+
+def _browser_eqn(eqn: Any, invals: list[Any]) -> list[Any] | None:
+    name = eqn.primitive.name
+    rule = RULES.get(name)
+    if rule is None or not rule.needed(eqn):
+        return None
+    reason = rule.refuse(eqn)
+    if reason is not None:
+        raise UnsupportedPrimitive(name, f"Cannot export {name} for browsers: {reason}.")
+    return rule.apply(eqn, *invals)
 
 
 def evaluate(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     """Evaluates `jaxpr` on `args` (tracers or arrays), rewriting with `RULES`."""
-    env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        name = eqn.primitive.name
-        rule = RULES.get(name)
-        if name in INLINED:
-            body, body_consts = _body(eqn)
-            outs = evaluate(body, body_consts, *invals)
-        elif rule is not None and rule.needed(eqn):
-            reason = rule.refuse(eqn)
-            if reason is not None:
-                raise UnsupportedPrimitive(name, f"Cannot export {name} for browsers: {reason}.")
-            outs = rule.apply(eqn, *invals)
-        else:
-            with eqn.ctx.manager:
-                result = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            outs = result if eqn.primitive.multiple_results else [result]
-        for v, o in zip(eqn.outvars, outs):
-            if not isinstance(v, jcore.DropVar):
-                env[v] = o
-    return [read(v) for v in jaxpr.outvars]
+    return jax_rewrite.evaluate(jaxpr, consts, args, _browser_eqn)
 
 
 def rewrite(fn: Callable[..., Sequence[Any]]) -> Callable[..., list[Any]]:
     """`fn` (flat arrays in, a list of arrays out) with the rules applied when traced."""
-
-    def rewritten(*args: Any) -> list[Any]:
-        closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*args)
-        return evaluate(closed.jaxpr, closed.consts, *args)
-
-    return rewritten
+    return jax_rewrite.rewrite(fn, _browser_eqn)
 
 
 def rules_used(jaxpr: Any) -> set[str]:
