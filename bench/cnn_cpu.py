@@ -12,6 +12,7 @@ torch is not a dependency of fedlang: without it the torch row is skipped.
 Usage:
   python bench/cnn_cpu.py                 # every option set, 200 batches each
   python bench/cnn_cpu.py --batches 100 --variants default,xnnpack
+  PYTHONPATH=/path/to/torch python bench/cnn_cpu.py --variants default,fedlang-tuned,fedlang-tuned-2-clients
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 VARIANTS = {
     "default": "",
+    # fedlang's tuned step (backends/jax/rewrite.py: the max-pool gradient without a
+    # scatter), one client; then two clients' batches side by side on two threads, as
+    # the simulation runtime runs clients of a convolutional step (ms per batch: the
+    # wall time over both clients' batches).
+    "fedlang-tuned": "",
+    "fedlang-tuned-2-clients": "",
+    "fedlang-tuned-onednn-2-clients": "--xla_cpu_use_onednn=true",
     "onednn+no-eigen-threads": "--xla_cpu_use_onednn=true --xla_cpu_multi_thread_eigen=false",
     "onednn": "--xla_cpu_use_onednn=true",
     "xnnpack": "--xla_cpu_use_xnnpack=true",
@@ -47,34 +55,52 @@ def batches(n: int, seed: int = 0) -> list[tuple[Any, Any]]:
     ]
 
 
-def time_jax(n: int, repeats: int) -> dict[str, Any]:
+def time_jax(n: int, repeats: int, variant: str = "default") -> dict[str, Any]:
     sys.path.insert(0, HERE)
+    import concurrent.futures
+
     import jax
     import workloads
 
+    from fedlang.backends.jax import rewrite
+
     step = workloads.sgd_step(workloads.CNN)
-    jitted = jax.jit(lambda p, x, y: step(p, {"x": x, "y": y})[0])
     params = workloads.CNN.init(jax.random.key(0))
+    names = sorted(params)
+
+    def flat_step(*leaves: Any) -> list[Any]:
+        p = dict(zip(names, leaves[:-2]))
+        new = step(p, {"x": leaves[-2], "y": leaves[-1]})[0]
+        return [new[k] for k in names]
+
+    jitted = jax.jit(rewrite.tuned(flat_step) if variant.startswith("fedlang") else flat_step)
+    clients = 2 if variant.endswith("2-clients") else 1
     data = batches(n)
-    jax.block_until_ready(jitted(params, *data[0]))  # compile
+    start = [params[k] for k in names]
+    jax.block_until_ready(jitted(*start, *data[0]))  # compile
+
+    def client(part: list[tuple[Any, Any]]) -> Any:
+        p = start
+        for x, y in part:
+            p = jitted(*p, x, y)
+        return jax.block_until_ready(p)
+
+    parts = [data[k::clients] for k in range(clients)]
+    pool = concurrent.futures.ThreadPoolExecutor(clients)
     times = []
     for _ in range(repeats):
-        p = params
         t0 = time.perf_counter()
-        for x, y in data:
-            p = jitted(p, x, y)
-        jax.block_until_ready(p)
+        list(pool.map(client, parts))
         times.append(time.perf_counter() - t0)
+    pool.shutdown()
     return {"s_per_batch": min(times) / n, "runs_s": times}
 
 
-def time_torch(n: int, repeats: int, threads: int) -> dict[str, Any] | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-    torch.set_num_threads(threads)
-    net = torch.nn.Sequential(
+def torch_cnn() -> Any:
+    """The FedAvg paper's CNN in torch (NCHW inputs [batch, 1, 28, 28])."""
+    import torch
+
+    return torch.nn.Sequential(
         torch.nn.Conv2d(1, 32, 5, padding=2),
         torch.nn.ReLU(),
         torch.nn.MaxPool2d(2),
@@ -86,6 +112,15 @@ def time_torch(n: int, repeats: int, threads: int) -> dict[str, Any] | None:
         torch.nn.ReLU(),
         torch.nn.Linear(512, 10),
     )
+
+
+def time_torch(n: int, repeats: int, threads: int) -> dict[str, Any] | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(threads)
+    net = torch_cnn()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     loss_fn = torch.nn.CrossEntropyLoss()
     data = [(torch.from_numpy(x)[:, None], torch.from_numpy(y).long()) for x, y in batches(n)]
@@ -117,7 +152,7 @@ def main() -> None:
         print(json.dumps(time_torch(args.batches, args.repeats, threads)))
         return
     if args.worker:
-        print(json.dumps(time_jax(args.batches, args.repeats)))
+        print(json.dumps(time_jax(args.batches, args.repeats, args.worker)))
         return
     rows = []
     for name in ["torch", "torch-1-thread", *args.variants.split(",")]:

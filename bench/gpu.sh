@@ -7,9 +7,10 @@
 #   devices.txt       JAX's version and devices, nvidia-smi
 #   tests-*.txt       pytest over the packages that run device code, in 4 shards at
 #                     once (not-slow tests; the CPU CI runs the rest)        ~3 minutes
-#   precision.txt     W1 cohort 100 'vmap' and 'loop' accuracies with float32 matmuls at
-#                     full precision (the table has them at the default precision: is
-#                     TF32 why vmap's accuracy differed?), run beside the tests
+#   precision.txt     bench/strategy_agreement.py at the default matmul precision and at
+#                     'highest': per-round differences between strategies and the
+#                     accuracies after 5 rounds (is it TF32, or rounding amplified by
+#                     training, that moved vmap's accuracy?), run beside the tests
 #   bench_gpu.txt     the GPU table alone on the device (bench/run_simulation.py --plan
 #                     gpu): fedlang's strategies, centralized and the hand-written
 #                     vmapped FedAvg per configuration, round 1, compilations  ~4 minutes
@@ -52,19 +53,19 @@ shard runtime tests/runtime &
 shard aggregators tests/aggregators &
 shard learning tests/learning &
 (
-  for s in vmap loop; do
-    cfg='{"workload": "W1", "cohort": 100, "runtime": "simulation", "strategy": "'$s'", "warmup": 2, "rounds": 3, "lazy": false, "centralized": false, "centralized_methods": ["loop"], "seed": 0, "test_size": 2000}'
-    acc=$(XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest timeout 120 \
-      $PY bench/run_simulation.py --worker "$cfg" 2>/dev/null \
-      | $PY -c "import json,sys; r=json.loads(sys.stdin.read().splitlines()[-1]); print(r['accuracy'])")
-    echo "W1 cohort 100 $s, matmul precision highest: accuracy $acc" >> "$OUT/precision.txt"
-  done
+  # Per round: how far vmap (wide groups), scan and rounding-size perturbations of the
+  # initial weights move the model from loop's; at the default matmul precision (TF32
+  # on recent GPUs) and at full precision.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 $PY bench/strategy_agreement.py \
+    --rounds 5 --out "$OUT/agreement.json" > "$OUT/precision.txt" 2>&1
+  XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 \
+    $PY bench/strategy_agreement.py --rounds 5 >> "$OUT/precision.txt" 2>&1
 ) &
 wait
 for f in "$OUT"/tests-*.txt; do
   stamp "$(basename "$f"): $(grep -E '[0-9]+ (passed|failed)' "$f" | tail -1) $(tail -1 "$f")"
 done
-stamp "$(cat "$OUT/precision.txt" 2>/dev/null | tr '\n' ';')"
+stamp "$(grep accuracy "$OUT/precision.txt" 2>/dev/null | tr '\n' ';')"
 
 # 2. The GPU table, alone on the device.
 stamp "bench table"

@@ -164,6 +164,52 @@ class HandWritten:
         return jax.block_until_ready(self.server(params, acc, np.float32(total)))
 
 
+class TorchLoop:
+    """A plain torch loop of the same model (the torch-based peer's work without its
+    framework): per client, the global weights loaded, SGD 0.1 over its batches of 20
+    (the tail kept), the example-weighted delta summed; then the server's SGD 1.0 step.
+    torch's default threads (one per core). Only its time is used."""
+
+    def __init__(self, workload: str):
+        try:
+            import torch
+        except ImportError:
+            raise SystemExit(
+                "--baseline torch needs torch, which fedlang does not depend on: "
+                "pip install torch (or put it on PYTHONPATH)"
+            ) from None
+        import cnn_cpu
+
+        self.torch = torch
+        self.net = cnn_cpu.torch_cnn() if workload == "W2" else torch.nn.Linear(784, 10)
+        self.image = workload == "W2"
+        self.loss = torch.nn.CrossEntropyLoss()
+
+    def compile_for(self, params: Any, clients: list[tuple[Any, Any]]) -> None:
+        pass
+
+    def round(self, params: Any, clients: list[tuple[Any, Any]]) -> Any:
+        torch = self.torch
+        global_state = {k: v.clone() for k, v in self.net.state_dict().items()}
+        acc = {k: torch.zeros_like(v) for k, v in global_state.items()}
+        total = 0
+        for x, y in clients:
+            self.net.load_state_dict(global_state)
+            opt = torch.optim.SGD(self.net.parameters(), lr=0.1)
+            for i in range(0, len(y), BATCH):
+                xb = torch.from_numpy(x[i : i + BATCH])
+                yb = torch.from_numpy(y[i : i + BATCH]).long()
+                opt.zero_grad()
+                self.loss(self.net(xb[:, None] if self.image else xb), yb).backward()
+                opt.step()
+            with torch.no_grad():
+                for k, v in self.net.state_dict().items():
+                    acc[k] += len(y) * (v - global_state[k])
+            total += len(y)
+        with torch.no_grad():
+            self.net.load_state_dict({k: global_state[k] + acc[k] / total for k in acc})
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import data
     import jax.numpy as jnp
@@ -179,11 +225,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     process = algorithms.build_weighted_fed_avg(
         model_fn, client_optimizer=optax.sgd(0.1), server_optimizer=optax.sgd(1.0)
     )
-    hand = HandWritten(model)
+    hand = None if args.no_baseline else (
+        TorchLoop(args.workload) if args.baseline == "torch" else HandWritten(model)
+    )
     rows = []
     profiler = cProfile.Profile()
     with fl.runtime.simulation_context(
-        strategy=args.strategy, decision_cache=args.decision_cache or False, progress=True
+        strategy=args.strategy,
+        decision_cache=args.decision_cache or False,
+        progress=True,
+        client_threads=args.client_threads,
     ) as ctx:
         state = process.initialize()
         for r in range(args.warmup + args.rounds):
@@ -202,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 profiler.disable()
             compiled = ctx.last_run.compilations
             row: dict[str, Any] = {"round": r, "s": dt, "compilations": compiled}
-            if not args.no_baseline:
+            if hand is not None:
                 hand.compile_for(params, arrays)
                 t0 = time.perf_counter()
                 hand.round(params, arrays)
@@ -212,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             loss = float(np.asarray(metrics["client_work"]["train"]["loss"]))
             print(
                 f"round {r}{' (warm-up)' if r < args.warmup else ''}: {dt:.3f} s"
-                + (f", hand-written {row['hand_s']:.3f} s, ratio {row['ratio']:.2f}" if "ratio" in row else "")
+                + (f", {args.baseline} {row['hand_s']:.3f} s, ratio {row['ratio']:.2f}" if "ratio" in row else "")
                 + f", compiled {compiled}, loss {loss:.3f}",
                 file=sys.stderr,
                 flush=True,
@@ -246,16 +297,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--client-threads", type=int, default=None,
+                        help="clients run at once on one CPU (default: the runtime decides)")
+    parser.add_argument("--cpu-rules", choices=["on", "off"], default="on",
+                        help="off: compile steps as written (A/B of backends/jax/rewrite.py)")
     parser.add_argument("--decision-cache", default=None, help="decision file (default: none)")
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument(
+        "--baseline", choices=["hand", "torch"], default="hand",
+        help="hand: the hand-written JAX per-client scan; torch: a plain torch loop (needs torch)",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile of the timed rounds")
     parser.add_argument("--out", default=None, help="JSON results file")
     args = parser.parse_args()
+    if args.cpu_rules == "off":
+        from fedlang.backends.jax import rewrite
+
+        rewrite.CPU_RULES.clear()
     out = run(args)
     line = f"{args.workload} cohort {args.cohort} {args.strategy}: {out['median_s']:.3f} s/round"
     if "median_ratio" in out:
         line += (
-            f", hand-written {out['hand_median_s']:.3f} s, ratio {out['median_ratio']:.2f}x "
+            f", {args.baseline} {out['hand_median_s']:.3f} s, ratio {out['median_ratio']:.2f}x "
             f"(fastest rounds: {out['best_s']:.3f} vs {out['hand_best_s']:.3f} s, "
             f"{out['best_ratio']:.2f}x)"
         )
