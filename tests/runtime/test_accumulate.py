@@ -182,3 +182,36 @@ def test_modular_sum_fast_leaves_equal_exact_integers(dtype, wrap, partial, fina
     acc.add(chunks.Rep(values[0]), 9)  # one value for nine clients
     expected = np.mod(np.asarray(values[0]).astype(object), wrap) * 9 % final(9)
     assert [int(v) for v in acc.result()] == [int(v) for v in np.asarray(expected).astype(dtype)]
+
+
+def test_large_chunks_are_stacked_aligned_and_used_in_place_on_a_cpu():
+    import jax
+
+    t = types.TensorType(np.float32, [64, 1024])
+    values = [np.full((64, 1024), i, np.float32) for i in range(5)]
+    cv = chunks.stack(values, t)
+    assert cv.ctypes.data % chunks.ALIGNMENT == 0
+    np.testing.assert_array_equal(cv, np.stack(values))
+    on_cpu = jax.device_put(cv, jax.devices("cpu")[0])
+    assert np.shares_memory(np.asarray(on_cpu), cv)  # no copy into the device buffer
+    assert chunks.aligned_zeros((3, 2), np.int32).tolist() == [[0, 0], [0, 0], [0, 0]]
+    assert chunks.aligned_empty((2,), np.dtypes.StringDType()).dtype == np.dtypes.StringDType()
+
+
+@pytest.mark.parametrize("as_jax", [False, True])
+def test_float_sums_of_host_and_cpu_device_chunks_match_exact_sums(as_jax):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(7)
+    values = [rng.normal(size=(4, 5)).astype(np.float32) for _ in range(9)]
+    weights = rng.random(9).astype(np.float32)
+    t = types.TensorType(np.float32, [4, 5])
+    cv = chunks.stack(values, t)
+    cv = jnp.asarray(cv) if as_jax else cv
+    total = accumulate.Sum(t, defs.FEDERATED_SUM.empty)
+    total.add(cv, 9)
+    np.testing.assert_allclose(total.result(), np.sum(np.float64(values), axis=0), rtol=1e-5, atol=1e-6)
+    mean = accumulate.WeightedMean(t, types.TensorType(np.float32), defs.FEDERATED_MEAN.empty)
+    mean.add((cv, weights), 9)
+    want = np.tensordot(np.float64(weights), np.float64(values), 1) / np.float64(weights).sum()
+    np.testing.assert_allclose(mean.result(), want, rtol=1e-5, atol=1e-6)

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Any, cast
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,6 +32,23 @@ def _leaf_chunks(cv: Any, t: types.Type) -> list[tuple[Any, bool]]:
     if isinstance(t, types.StructType):
         return [p for x, et in zip(cv, t.types) for p in _leaf_chunks(x, et)]
     return [(cv, False)]
+
+
+# Dtypes whose chunk reductions NumPy does in place on the host (BLAS for weighted
+# sums). A chunk's values are host arrays already; handing them to JAX first copies
+# them into device buffers: for a 13 MB update x 8 clients, 109 ms against 4 ms.
+_HOST_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _host_float(x: Any) -> bool:
+    """A float32/64 chunk in host memory: a NumPy array, or a JAX array on the CPU
+    (NumPy reads it in place; XLA:CPU's reduction over the clients' axis is also
+    several times slower than NumPy's)."""
+    if isinstance(x, np.ndarray):
+        return x.dtype in _HOST_FLOATS
+    if isinstance(x, jax.Array):
+        return x.dtype in _HOST_FLOATS and all(d.platform == "cpu" for d in x.devices())
+    return False
 
 
 def _acc_dtype(dt: np.dtype) -> Any:
@@ -93,6 +111,8 @@ class Sum(Accumulator):
         for (x, rep), lt in zip(_leaf_chunks(cv, self.member), self.leaf_types):
             if rep:
                 out.append(np.asarray(x, _acc_dtype(lt.dtype)) * c)
+            elif _host_float(x):  # reduced in its own dtype, as below
+                out.append(np.asarray(np.add.reduce(np.asarray(x), axis=0), _acc_dtype(lt.dtype)))
             else:
                 out.append(np.asarray(jnp.sum(jnp.asarray(x), axis=0), _acc_dtype(lt.dtype)))
         return out
@@ -186,6 +206,9 @@ class WeightedMean(Sum):
         for x, rep in _leaf_chunks(values, self.member):
             if rep:
                 sums.append(np.asarray(x, np.float64) * w.sum())
+            elif _host_float(x):
+                x = np.asarray(x)
+                sums.append(np.asarray(np.tensordot(w.astype(x.dtype), x, axes=1), np.float64))
             else:
                 xj = jnp.asarray(x)
                 sums.append(np.asarray(jnp.tensordot(wj.astype(xj.dtype), xj, axes=1), np.float64))

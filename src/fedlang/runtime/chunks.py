@@ -41,7 +41,33 @@ def stack(values: list[Any], t: types.Type) -> Any:
         return list(values)  # ragged (unknown dimensions differ between clients): kept per client
     # Device arrays meet on the host: one transfer per client value, and np.stack is far
     # cheaper than a jnp.stack of many small arrays (accumulators work on the host anyway).
-    return np.stack([np.asarray(v) for v in values])
+    # Into an aligned buffer, which a later CPU computation on the chunk reads in place.
+    host = [np.asarray(v) for v in values]
+    out = aligned_empty((len(host), *host[0].shape), host[0].dtype)
+    return np.stack(host, out=out)
+
+
+ALIGNMENT = 64  # bytes: XLA:CPU uses a host array of this alignment without copying it
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialized array whose data is `ALIGNMENT`-aligned: `jax.device_put` (and a
+    jitted call) on a CPU device then uses it in place; a misaligned array is copied
+    first (27 ms for 100 MB here, against 0.1 ms)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < 1 << 16 or dtype.kind not in "biufc":
+        return np.empty(shape, dtype)  # small (a copy costs nothing), or strings and such
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def aligned_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """`np.zeros` in an aligned buffer (see `aligned_empty`)."""
+    out = aligned_empty(shape, dtype)
+    out.fill(0)
+    return out
 
 
 def row(cv: Any, t: types.Type, i: int) -> Any:

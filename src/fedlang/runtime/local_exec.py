@@ -443,7 +443,7 @@ class LocalRunner:
             stacked = []
             for j, x in enumerate(segment[0]):
                 first_leaf = np.asarray(x)
-                buf = np.zeros((length, *first_leaf.shape), first_leaf.dtype)
+                buf = chunks.aligned_zeros((length, *first_leaf.shape), first_leaf.dtype)
                 for k, b in enumerate(segment):
                     buf[k] = b[j]
                 stacked.append(buf)

@@ -218,7 +218,7 @@ def _run_group(
     stacked = []
     for j, leaf in enumerate(bodies[0][0]):
         leaf = np.asarray(leaf)
-        buf = np.zeros((width, length, *leaf.shape), leaf.dtype)
+        buf = chunks.aligned_zeros((width, length, *leaf.shape), leaf.dtype)
         for k, body in enumerate(bodies):
             for t, b in enumerate(body):
                 buf[k, t] = b[j]
