@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         choices = local_exec.describe_choices(ctx.runner)
     if args.profile:
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(45)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats(os.environ.get("FEDLANG_PROFILE_SORT", "cumulative")).print_stats(45)
     timed = rows[args.warmup :]
     out: dict[str, Any] = {
         "config": vars(args),

@@ -54,20 +54,23 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """An uninitialized array whose data is `ALIGNMENT`-aligned: `jax.device_put` (and a
     jitted call) on a CPU device then uses it in place; a misaligned array is copied
     first (27 ms for 100 MB here, against 0.1 ms)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes < 1 << 16 or dtype.kind not in "biufc":
-        return np.empty(shape, dtype)  # small (a copy costs nothing), or strings and such
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+    return _aligned(shape, dtype, np.empty)
 
 
 def aligned_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """`np.zeros` in an aligned buffer (see `aligned_empty`)."""
-    out = aligned_empty(shape, dtype)
-    out.fill(0)
-    return out
+    """`np.zeros` in an aligned buffer (see `aligned_empty`); like `np.zeros`, large
+    buffers come zeroed from the allocator, not written twice."""
+    return _aligned(shape, dtype, np.zeros)
+
+
+def _aligned(shape: tuple[int, ...], dtype: Any, alloc: Any) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < 1 << 16 or dtype.kind not in "biufc":
+        return alloc(shape, dtype)  # small (a copy costs nothing), or strings and such
+    raw = alloc(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def row(cv: Any, t: types.Type, i: int) -> Any:
