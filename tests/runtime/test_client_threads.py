@@ -9,16 +9,10 @@ import pytest
 from jax import lax
 
 import fedlang as fl
-from fedlang.core import context
 from fedlang.runtime import local_exec, reference
 from fedlang.runtime.simulation import Options, SimulationContext
 
-from .test_bounded_programs import client, make_round
-
-
-def on(ctx, fn, *args):
-    with context.with_context(ctx):
-        return fn(*args)
+from .test_bounded_programs import client, make_round, on
 
 
 @pytest.mark.parametrize("strategy", ["loop", "scan", "auto"])
