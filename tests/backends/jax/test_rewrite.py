@@ -146,3 +146,21 @@ def test_a_cnn_step_runs_rewritten_and_exports_unchanged():
         got = train(w, data)
     for k in w:
         np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_callbacks_prints_and_control_flow_pass_through_a_rewritten_step(capfd):
+    def fn(x, w):
+        g = pool_grad((1, 2, 2, 1), (1, 2, 2, 1))(x, w)[0]
+        jax.debug.print("total {s}", s=jnp.sum(g))
+        doubled = jax.pure_callback(
+            lambda a: np.asarray(a) * 2, jax.ShapeDtypeStruct(g.shape, g.dtype), g
+        )
+        count, _ = lax.scan(lambda c, _: (c + 1.0, None), 0.0, None, length=3)
+        return [doubled + count]
+
+    x = np.random.default_rng(5).normal(size=(2, 4, 4, 3)).astype(np.float32)
+    w = np.ones((2, 2, 2, 3), np.float32)
+    tuned = rewrite.tuned(fn)
+    assert "select_and_scatter_add" not in primitives(tuned, x, w)
+    np.testing.assert_array_equal(jax.jit(tuned)(x, w)[0], jax.jit(fn)(x, w)[0])
+    assert capfd.readouterr().out.count("total 24.0") == 2
