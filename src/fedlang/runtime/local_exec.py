@@ -283,6 +283,8 @@ class LocalRunner:
         return autotune.decision_key(kind, text, batch, self.devices[0])
 
     def _threads_for(self, comp: Any) -> int:
+        if self.devices[0].platform != "cpu":
+            return 1  # an accelerator runs one program at a time anyway
         if self.client_threads is not None:
             return self.client_threads
         key = comp.cache_key
