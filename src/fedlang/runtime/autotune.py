@@ -53,6 +53,9 @@ def default_cache_path() -> str:
     return os.path.join(root, CACHE_FILE)
 
 
+MIN_SAMPLES = 3  # timed runs of each candidate before one may be dropped as clearly slower
+
+
 class Tuner:
     """Takes and remembers `auto`'s decisions (one per runner).
 
@@ -139,15 +142,18 @@ class Tuner:
         candidates: dict[str, Callable[[], Any]],
         units: float | dict[str, float],
         cpu_clock: bool = False,
+        decide: Callable[[dict[str, float]], str] | None = None,
     ) -> dict[str, float]:
         """Seconds per unit of each candidate (`inf` for one dropped as clearly slower).
 
         Each candidate runs once untimed (compiling), in the given order; then they are
-        timed in turn, at most 5 times each, until the budget is spent. `units` is the
+        timed in turn, at most 5 times each, until the budget is spent; one is dropped as
+        clearly slower (twice the fastest) only after `MIN_SAMPLES` timed runs. `units` is the
         work one run does (batches), the same for all or one number per candidate;
         "clearly slower" compares seconds per unit. `cpu_clock` times with the process's
         CPU seconds instead of the wall clock: for candidates that do the same arithmetic
         on a CPU and differ in host overhead, it is not fooled by other processes.
+        `decide(times)` is the caller's rule for the pick it reports (default: fastest).
         """
         clock = time.process_time if cpu_clock else time.perf_counter
         per = units if isinstance(units, dict) else {n: units for n in candidates}
@@ -162,17 +168,20 @@ class Tuner:
             best[name] = clock() - t0  # compiling: an upper bound until timed
         timed_from = time.perf_counter()  # the budget is wall time, whatever the clock
         live = list(candidates)
-        for _ in range(5):
+        for k in range(5):
             for name in live:
                 t0 = clock()
                 jax.block_until_ready(candidates[name]())
                 best[name] = min(best[name], clock() - t0)
-            fastest = min(best[n] / per[n] for n in live)
-            live = [n for n in live if best[n] / per[n] <= 2 * fastest]  # clearly slower: dropped
+            if k + 1 >= MIN_SAMPLES:
+                # Clearly slower on its best of several runs: dropped. One run is not
+                # enough: a single hiccup (a collection, another process) would decide.
+                fastest = min(best[n] / per[n] for n in live)
+                live = [n for n in live if best[n] / per[n] <= 2 * fastest]
             if len(live) < 2 or time.perf_counter() - timed_from >= self.budget_s:
                 break
         out = {n: (best[n] / per[n] if n in live else float("inf")) for n in candidates}
-        picked = min(out, key=out.__getitem__)
+        picked = decide(out) if decide is not None else min(out, key=out.__getitem__)
         self.say(
             f"picked {picked} for {what} in {time.perf_counter() - start:.2f} s ("
             + ", ".join(f"{n} {v * 1e3:.3g} ms" for n, v in out.items())
