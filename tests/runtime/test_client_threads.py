@@ -97,3 +97,23 @@ def test_a_convolution_step_gets_one_client_per_core(monkeypatch):
 def test_client_threads_must_be_positive():
     with pytest.raises(ValueError, match="client_threads"):
         Options(client_threads=0)
+
+
+def test_staged_clients_start_longest_first(monkeypatch):
+    started = []
+    original = local_exec.LocalRunner.run_client
+
+    def record(self, comp, leaves, stream):
+        started.append(len(list(stream)))  # staged clients replay their batches
+        return original(self, comp, leaves, stream)
+
+    monkeypatch.setattr(local_exec.LocalRunner, "run_client", record)
+    rng = np.random.default_rng(3)
+    sizes = [8, 40, 4, 100, 20]  # batches of 4: 2, 10, 1, 25, 5
+    ctx = SimulationContext(strategy="loop", client_threads=1, decision_cache=False)
+    on(ctx, make_round(), np.zeros(3, np.float32), [client(rng, n) for n in sizes])
+    assert started == [2, 10, 1, 25, 5]  # one thread: the clients' order
+    started.clear()
+    ctx = SimulationContext(strategy="loop", client_threads=2, decision_cache=False)
+    on(ctx, make_round(), np.zeros(3, np.float32), [client(rng, n) for n in sizes])
+    assert sorted(started[:2]) == [10, 25] and sorted(started) == [1, 2, 5, 10, 25]

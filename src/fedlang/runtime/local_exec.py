@@ -207,7 +207,16 @@ class LocalRunner:
                 # One CPU device, several cores: XLA:CPU runs some programs (convolutions)
                 # on one thread, so clients run side by side; a free thread takes the
                 # next client, and results keep the clients' order (the same sums).
-                outs = list(self._threads_pool(threads).map(client, range(c)))
+                # Longest first where the lengths are known (staged clients), so that no
+                # core idles at the end of the chunk while one long client finishes.
+                pool = self._threads_pool(threads)
+                running = {i: pool.submit(client, i) for i in _longest_first(comp, cv, c)}
+                try:
+                    outs = [running[i].result() for i in range(c)]
+                except BaseException:
+                    for f in running.values():  # a client failed: the rest never starts
+                        f.cancel()
+                    raise
                 return _gather(outs, result_t, self.devices[0].platform)
             # Results stay device arrays: no wait per client, one gather per chunk.
             return _gather([client(i) for i in range(c)], result_t, self.devices[0].platform)
@@ -513,6 +522,17 @@ def select_many(fn: local.LocalProgram, server_val: Any, keys: np.ndarray) -> li
     outs = [np.asarray(x) for x in many(*leaves, padded)]
     result_t = fn.type_signature.result
     return [structure.unflatten([x[j] for x in outs], result_t) for j in range(len(keys))]
+
+
+def _longest_first(comp: Any, cv: Any, c: int) -> list[int]:
+    """The chunk's clients by decreasing number of batches when every client's batches
+    are staged (their number known), else in their order."""
+    lengths = []
+    for s in _streams(comp, cv, c):
+        if not getattr(s, "complete", False):
+            return list(range(c))
+        lengths.append(len(s.batches))
+    return sorted(range(c), key=lambda i: -lengths[i])
 
 
 def _loop_or_scan(times: dict[str, float]) -> str:
