@@ -1,18 +1,16 @@
 """Runs docs/quickstart.md's code blocks in order, in one namespace, and checks it learns."""
 
-import pathlib
-import re
-
 import pytest
 
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
-_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+from .doc_snippets import DOCS, python_blocks
+
+DOC = DOCS / "quickstart.md"
 
 
 @pytest.mark.slow  # about 15 s, mostly compiling the round and the evaluation
 def test_the_quickstart_runs_end_to_end(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    blocks = _BLOCK.findall(DOC.read_text())
+    blocks = python_blocks("quickstart.md")
     assert len(blocks) == 6  # data, model, process, loop, evaluation, plot
     namespace: dict = {"__name__": "quickstart"}
     for i, block in enumerate(blocks):
