@@ -48,9 +48,7 @@ def to_tensor(value: Any, t: types.TensorType, path: str = "") -> np.ndarray:
     if isinstance(value, str | bytes) or (
         types.is_container(value) and not isinstance(value, list | tuple)
     ):
-        raise TypeError(
-            f"Expected a value of type {t}{_where(path)}, found {types.describe(value)}."
-        )
+        raise _mismatch(value, t, path)
     if hasattr(value, "dtype") and hasattr(value, "shape"):
         arr = np.asarray(value)
         if arr.dtype != t.dtype:
@@ -61,37 +59,35 @@ def to_tensor(value: Any, t: types.TensorType, path: str = "") -> np.ndarray:
                 )
             arr = arr.astype(t.dtype)
     else:
-        try:
-            arr = np.asarray(value)
-        except (ValueError, TypeError) as e:
-            raise TypeError(
-                f"Expected a value of type {t}{_where(path)}, found {types.describe(value)}."
-            ) from e
+        arr = _as_array(value, t, path)
         if arr.dtype.kind not in "biufc":
-            raise TypeError(
-                f"Expected a value of type {t}{_where(path)}, found {types.describe(value)}."
-            )
+            raise _mismatch(value, t, path)
         if (arr.dtype.kind == "f" and t.dtype.kind in "iub") or (
             arr.dtype.kind in "iu" and t.dtype.kind == "b"
         ):
-            raise TypeError(
-                f"Expected a value of type {t}{_where(path)}, found {types.describe(value)}."
-            )
+            raise _mismatch(value, t, path)
         arr = arr.astype(t.dtype)
     _check_shape(arr, t, path)
     return arr
+
+
+def _mismatch(value: Any, t: types.TensorType, path: str) -> TypeError:
+    return TypeError(f"Expected a value of type {t}{_where(path)}, found {types.describe(value)}.")
+
+
+def _as_array(value: Any, t: types.TensorType, path: str) -> np.ndarray:
+    """`np.asarray(value)`, or the type error naming what was found."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError) as e:
+        raise _mismatch(value, t, path) from e
 
 
 def _to_string_tensor(value: Any, t: types.TensorType, path: str) -> np.ndarray:
     """A `str` tensor from Python strings, lists of them, or unicode/string arrays.
 
     Numbers are never turned into text: `1` for a `str` is an error, not `'1'`."""
-    try:
-        arr = np.asarray(value)
-    except (ValueError, TypeError) as e:
-        raise TypeError(
-            f"Expected a value of type {t}{_where(path)}, found {types.describe(value)}."
-        ) from e
+    arr = _as_array(value, t, path)
     if arr.dtype.kind in "OS" and all(isinstance(x, str | bytes) for x in arr.ravel()):
         # Text read as bytes (TFF's tf.string, files, Arrow binary columns) is UTF-8.
         try:
@@ -103,9 +99,7 @@ def _to_string_tensor(value: Any, t: types.TensorType, path: str) -> np.ndarray:
             ) from e
         arr = np.asarray(items, dtype=types.STRING).reshape(arr.shape)
     if arr.dtype.kind not in "UT":
-        raise TypeError(
-            f"Expected a value of type {t}{_where(path)}, found {types.describe(value)}."
-        )
+        raise _mismatch(value, t, path)
     arr = arr.astype(types.STRING)
     _check_shape(arr, t, path)
     return arr
