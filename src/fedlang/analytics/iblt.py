@@ -75,10 +75,7 @@ class IBLT:
     secure: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_len", "capacity"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Expected {name} to be a positive integer, found {v!r}.")
+        trie.check_positive_ints(self, "max_len", "capacity")
         privacy_lib.check_privacy(self.privacy)
 
     @property

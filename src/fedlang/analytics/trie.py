@@ -59,6 +59,14 @@ class HeavyHitters(NamedTuple):
     truncated: int = 0
 
 
+def check_positive_ints(config: Any, *names: str) -> None:
+    """Refuses a configuration whose fields `names` are not positive integers."""
+    for name in names:
+        v = getattr(config, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"Expected {name} to be a positive integer, found {v!r}.")
+
+
 def prefix_table(prefixes: list[bytes], max_len: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
     """The prefixes' two hashes (`uint32[capacity, 2]`, padded with all-ones rows) and
     which rows are real. Callers pass prefixes sorted by `sort_by_hash`, so that the
@@ -110,10 +118,7 @@ class TrieHH:
     def __post_init__(self) -> None:
         if self.votes not in ("all", "one"):
             raise ValueError(f"Expected votes='all' or 'one', found {self.votes!r}.")
-        for name in ("max_len", "max_prefixes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Expected {name} to be a positive integer, found {v!r}.")
+        check_positive_ints(self, "max_len", "max_prefixes")
         privacy_lib.check_privacy(self.privacy)
 
     @property
