@@ -148,8 +148,8 @@ class Tuner:
 
         Each candidate runs once untimed (compiling), in the given order; then they are
         timed in turn, at most 5 times each, until the budget is spent; one is dropped as
-        clearly slower (twice the fastest) only after `MIN_SAMPLES` timed runs. `units` is the
-        work one run does (batches), the same for all or one number per candidate;
+        clearly slower (twice the fastest) only after `MIN_SAMPLES` timed runs. `units`
+        is the work one run does (batches), the same for all or one number per candidate;
         "clearly slower" compares seconds per unit. `cpu_clock` times with the process's
         CPU seconds instead of the wall clock: for candidates that do the same arithmetic
         on a CPU and differ in host overhead, it is not fooled by other processes.
