@@ -13,6 +13,7 @@ Usage:
   python bench/cnn_cpu.py                 # every option set, 200 batches each
   python bench/cnn_cpu.py --batches 100 --variants default,xnnpack
   PYTHONPATH=/path/to/torch python bench/cnn_cpu.py --variants default,fedlang-tuned,fedlang-tuned-2-clients
+  python bench/cnn_cpu.py --parts          # where a step's time goes (taskset -c 0: one core)
 """
 
 from __future__ import annotations
@@ -96,6 +97,83 @@ def time_jax(n: int, repeats: int, variant: str = "default") -> dict[str, Any]:
     return {"s_per_batch": min(times) / n, "runs_s": times}
 
 
+def time_parts(repeats: int = 3, calls: int = 40) -> dict[str, float]:
+    """ms per call of the CNN step and of its parts on a batch of 20 (`--parts`): where
+    XLA:CPU spends a step, with the max-pool by `reduce_window` (its gradient a
+    `select_and_scatter_add`) and by reshape, and fedlang's tuned step."""
+    sys.path.insert(0, HERE)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import workloads
+    from jax import lax
+
+    from fedlang.backends.jax import rewrite
+
+    rng = np.random.default_rng(0)
+    x = rng.random((20, 28, 28), dtype=np.float32)
+    y = rng.integers(0, 10, 20).astype(np.int32)
+    p = workloads.CNN.init(jax.random.key(0))
+
+    def conv(a: Any, k: Any) -> Any:
+        return lax.conv_general_dilated(a, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def pool_window(a: Any) -> Any:
+        return lax.reduce_window(a, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+
+    def pool_reshape(a: Any) -> Any:
+        n, h, w, c = a.shape
+        return a.reshape(n, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
+
+    def grad_step(pool: Any) -> Any:
+        def apply(q: Any) -> Any:
+            h = pool(jax.nn.relu(conv(x[..., None], q["conv1_w"]) + q["conv1_b"]))
+            h = pool(jax.nn.relu(conv(h, q["conv2_w"]) + q["conv2_b"])).reshape(20, -1)
+            h = jax.nn.relu(h @ q["dense1_w"] + q["dense1_b"])
+            logits = h @ q["dense2_w"] + q["dense2_b"]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        return lambda q: jax.grad(apply)(q)
+
+    names = sorted(p)
+
+    def flat(fn: Any) -> Any:
+        return lambda *leaves: jax.tree_util.tree_leaves(fn(dict(zip(names, leaves))))
+
+    h1 = rng.random((20, 28, 28, 1), dtype=np.float32)
+    h2 = rng.random((20, 14, 14, 32), dtype=np.float32)
+    a = rng.random((20, 28, 28, 32), dtype=np.float32)
+    leaves = [p[k] for k in names]
+    parts: dict[str, tuple[Any, tuple[Any, ...]]] = {
+        "step gradient, max-pool by reduce_window": (flat(grad_step(pool_window)), tuple(leaves)),
+        "step gradient, the same, fedlang's tuned program": (
+            rewrite.tuned(flat(grad_step(pool_window))), tuple(leaves)),
+        "step gradient, max-pool by reshape and max": (flat(grad_step(pool_reshape)), tuple(leaves)),
+        "conv2 forward": (conv, (h2, p["conv2_w"])),
+        "conv2 kernel gradient": (lambda a, k: jax.grad(lambda k: conv(a, k).sum())(k), (h2, p["conv2_w"])),
+        "conv2 input gradient": (lambda a, k: jax.grad(lambda a: conv(a, k).sum())(a), (h2, p["conv2_w"])),
+        "conv1 kernel gradient": (lambda a, k: jax.grad(lambda k: conv(a, k).sum())(k), (h1, p["conv1_w"])),
+        "max-pool gradient, select_and_scatter_add": (
+            lambda a: jax.grad(lambda a: pool_window(a).sum())(a), (a,)),
+        "max-pool gradient, by reshape": (lambda a: jax.grad(lambda a: pool_reshape(a).sum())(a), (a,)),
+    }
+    out = {}
+    for name, (fn, args) in parts.items():
+        jitted = jax.jit(fn)
+        jax.block_until_ready(jitted(*args))
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                r = jitted(*args)
+            jax.block_until_ready(r)
+            best = min(best, (time.perf_counter() - t0) / calls)
+        out[name] = best * 1e3
+        print(f"  {name:50s} {out[name]:7.2f} ms", flush=True)
+    return out
+
+
 def torch_cnn() -> Any:
     """The FedAvg paper's CNN in torch (NCHW inputs [batch, 1, 28, 28])."""
     import torch
@@ -145,8 +223,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--parts", action="store_true",
+                        help="time the step's parts instead (run under `taskset -c 0` for one core)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.parts:
+        time_parts()
+        return
     if args.worker in ("torch", "torch-1-thread"):
         threads = 1 if args.worker == "torch-1-thread" else os.cpu_count() or 1
         print(json.dumps(time_torch(args.batches, args.repeats, threads)))

@@ -23,3 +23,12 @@ def test_cnn_step_timing_runs_tuned_and_side_by_side(load_script):
     for variant in ("fedlang-tuned", "fedlang-tuned-2-clients"):
         r = bench.time_jax(4, 1, variant)
         assert r["s_per_batch"] > 0 and len(r["runs_s"]) == 1
+
+
+@pytest.mark.timeout(300)
+def test_cnn_parts_and_chunk_sums_report_every_row(load_script, capsys):
+    parts = load_script("bench/cnn_cpu.py").time_parts(repeats=1, calls=2)
+    assert len(parts) == 9 and all(ms > 0 for ms in parts.values())
+    sums = load_script("bench/chunk_sums.py").main(["--clients", "2"])
+    assert len(sums) == 6 and all(ms > 0 for ms in sums.values())
+    assert "device_put, 64-byte aligned host array" in capsys.readouterr().out

@@ -492,7 +492,7 @@ def client_threads_for(comp: Any, devices: list) -> int:
     On one CPU device with several cores, a step with a convolution runs one client per
     core: XLA:CPU runs convolutions on one thread (the FedAvg paper's CNN steps as fast
     on one core as on two), so clients side by side are what uses the other cores
-    (1.5x on 2 cores, `bench/cnn_cpu.py`). Other steps run one client at a time: small
+    (1.35-1.45x on 2 cores, `bench/cnn_cpu.py`). Other steps run one client at a time: small
     ones are bound by dispatch, which threads contend for, and XLA already spreads
     large matrix products over the cores. Accelerators and several devices: 1 (they
     have their own parallelism)."""
