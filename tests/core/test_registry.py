@@ -4,7 +4,15 @@ import numpy as np
 import pytest
 
 import fedlang as fl
-from fedlang.core import context, intrinsic_defs, intrinsics, serialization, structure, types
+from fedlang.core import (
+    context,
+    intrinsic_defs,
+    intrinsics,
+    serialization,
+    structure,
+    tracing,
+    types,
+)
 from fedlang.runtime import reference
 
 
@@ -38,7 +46,7 @@ SUM_OF_SQUARES = intrinsics.define(
 
 def federated_sum_of_squares(value):
     """The user-facing operator: validates by the rule and records the call."""
-    return intrinsics.call_intrinsic(SUM_OF_SQUARES.uri, value)
+    return tracing.call_intrinsic(SUM_OF_SQUARES.uri, value)
 
 
 POINT = fl.to_type({"a": np.float32, "b": (np.float32, [2])})

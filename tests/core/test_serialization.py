@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import fedlang as fl
-from fedlang.core import computation, ir, serialization, types
+from fedlang.core import computation, ir, serialization, types, wire
 
 Point = collections.namedtuple("Point", ["x", "y"])
 
@@ -226,16 +226,16 @@ def test_class_defined_in_a_function_comes_back_as_a_surrogate_namedtuple():
 
 
 def _header_of(data: bytes, kind: int) -> tuple[dict, list[bytes]]:
-    return serialization._unpack(data, kind)
+    return wire.unpack(data, kind)
 
 
 def test_class_from_a_module_that_is_not_imported_is_never_imported():
     data = serialization.serialize_value(Point(np.int8(1), np.int8(2)))
-    header, blobs = _header_of(data, serialization.KIND_VALUE)
+    header, blobs = _header_of(data, wire.KIND_VALUE)
     header["types"][0]["container"].update(module="this", qualname="Point")
     assert "this" not in sys.modules  # importing `this` would print the Zen of Python
     back = serialization.deserialize_value(
-        serialization._pack(serialization.KIND_VALUE, header, blobs)
+        wire.pack(wire.KIND_VALUE, header, blobs)
     )
     assert "this" not in sys.modules
     assert type(back) is not Point and back._fields == ("x", "y")
@@ -243,10 +243,10 @@ def test_class_from_a_module_that_is_not_imported_is_never_imported():
 
 def test_container_with_fields_a_namedtuple_cannot_have_falls_back_to_a_dict():
     data = serialization.serialize_value(Point(np.int8(1), np.int8(2)))
-    header, blobs = _header_of(data, serialization.KIND_VALUE)
+    header, blobs = _header_of(data, wire.KIND_VALUE)
     header["types"][0]["container"].update(module="nowhere", name="class")
     back = serialization.deserialize_value(
-        serialization._pack(serialization.KIND_VALUE, header, blobs)
+        wire.pack(wire.KIND_VALUE, header, blobs)
     )
     assert back == {"x": 1, "y": 2}
 
@@ -271,9 +271,9 @@ class Scale:
 
 @pytest.fixture
 def scale_codec(monkeypatch):
-    codecs = dict(serialization._CODECS)
-    monkeypatch.setattr(serialization, "_CODECS", codecs)
-    serialization.register_local_codec(
+    codecs = dict(wire._CODECS)
+    monkeypatch.setattr(wire, "_CODECS", codecs)
+    wire.register_local_codec(
         "test_scale",
         lambda c, ctx: {"factor": c.factor, "blob": ctx.add_blob(b"opaque")},
         lambda meta, ctx: Scale(meta["factor"]) if ctx.blob(meta["blob"]) == b"opaque" else None,
@@ -377,9 +377,9 @@ def test_traced_computation_round_trips_and_runs():
 
 
 def _repack(data: bytes, edit) -> bytes:
-    header, blobs = _header_of(data, serialization.KIND_COMPUTATION)
+    header, blobs = _header_of(data, wire.KIND_COMPUTATION)
     edit(header)
-    return serialization._pack(serialization.KIND_COMPUTATION, header, blobs)
+    return wire.pack(wire.KIND_COMPUTATION, header, blobs)
 
 
 def _traced() -> bytes:
@@ -484,7 +484,7 @@ def test_corrupted_bytes_fail_the_checksum():
 
 def test_future_version_is_rejected_with_a_fix():
     full = bytearray(_value_bytes())
-    struct.pack_into("<H", full, 4, serialization.FORMAT_VERSION + 1)
+    struct.pack_into("<H", full, 4, wire.FORMAT_VERSION + 1)
     with pytest.raises(
         serialization.SerializationError, match=r"format version .* upgrade fedlang"
     ):
@@ -502,9 +502,9 @@ def test_wrong_magic_and_wrong_kind_are_rejected():
         serialization.deserialize_value("FEDL")
 
 
-def _with_header(header: dict, blobs: list[bytes], kind: int = serialization.KIND_VALUE) -> bytes:
+def _with_header(header: dict, blobs: list[bytes], kind: int = wire.KIND_VALUE) -> bytes:
     head = json.dumps({**header, "blobs": len(blobs)}).encode()
-    body = serialization._PREFIX.pack(b"FEDL", 1, kind, len(head)) + head
+    body = wire.PREFIX.pack(b"FEDL", 1, kind, len(head)) + head
     body += b"".join(struct.pack("<Q", len(b)) + b for b in blobs)
     return body + struct.pack("<I", zlib.crc32(body))
 
@@ -569,11 +569,11 @@ def _with_header(header: dict, blobs: list[bytes], kind: int = serialization.KIN
 def test_malformed_headers_are_rejected(header, blobs, message):
     if isinstance(header, list):
         head = json.dumps(header).encode()
-        body = serialization._PREFIX.pack(b"FEDL", 1, 2, len(head)) + head
+        body = wire.PREFIX.pack(b"FEDL", 1, 2, len(head)) + head
         data = body + struct.pack("<I", zlib.crc32(body))
     elif "blobs" in header:
         head = json.dumps({**header, "blobs": 1}).encode()
-        body = serialization._PREFIX.pack(b"FEDL", 1, 2, len(head)) + head
+        body = wire.PREFIX.pack(b"FEDL", 1, 2, len(head)) + head
         data = body + struct.pack("<I", zlib.crc32(body))
     else:
         data = _with_header(header, blobs)
@@ -584,7 +584,7 @@ def test_malformed_headers_are_rejected(header, blobs, message):
 def test_deeply_nested_header_is_rejected_cleanly():
     deep = '{"t":"sequence","element":' * 100_000 + '{"t":"placement"}' + "}" * 100_000
     head = ('{"blobs":0,"type":0,"types":[' + deep + "]}").encode()
-    body = serialization._PREFIX.pack(b"FEDL", 1, serialization.KIND_TYPE, len(head)) + head
+    body = wire.PREFIX.pack(b"FEDL", 1, wire.KIND_TYPE, len(head)) + head
     data = body + struct.pack("<I", zlib.crc32(body))
     with pytest.raises(serialization.SerializationError, match="Expected"):
         serialization.deserialize_type(data)

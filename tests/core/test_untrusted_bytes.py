@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fedlang as fl
-from fedlang.core import serialization, signing
+from fedlang.core import serialization, signing, wire
 
 
-def _repack(header, blobs, kind=serialization.KIND_VALUE):
-    return serialization._pack(kind, header, blobs)
+def _repack(header, blobs, kind=wire.KIND_VALUE):
+    return wire.pack(kind, header, blobs)
 
 
 def _sequence_of_shared_blob(n: int, size: int) -> bytes:
@@ -23,7 +23,7 @@ def _sequence_of_shared_blob(n: int, size: int) -> bytes:
     data = serialization.serialize_value(
         [np.zeros(size // 4, np.float32)], fl.SequenceType((np.float32, [size // 4]))
     )
-    header, blobs = serialization._unpack(data, serialization.KIND_VALUE)
+    header, blobs = wire.unpack(data, wire.KIND_VALUE)
     element = header["value"]["elements"][0]
     header["value"]["elements"] = [dict(element) for _ in range(n)]
     return _repack(header, blobs)
@@ -107,13 +107,13 @@ def test_mutated_values_types_and_ir_raise_only_serialization_errors(sample, edi
                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
                     max_leaves=12))
 def test_arbitrary_json_headers_raise_only_serialization_errors(header_value):
-    for kind in (serialization.KIND_VALUE, serialization.KIND_TYPE, serialization.KIND_COMPUTATION):
+    for kind in (wire.KIND_VALUE, wire.KIND_TYPE, wire.KIND_COMPUTATION):
         head = json.dumps(header_value).encode()
         body = struct.pack("<4sHBI", b"FEDL", 1, kind, len(head)) + head
         try:
-            if kind == serialization.KIND_VALUE:
+            if kind == wire.KIND_VALUE:
                 serialization.deserialize_value(_fix_crc(body))
-            elif kind == serialization.KIND_TYPE:
+            elif kind == wire.KIND_TYPE:
                 serialization.deserialize_type(_fix_crc(body))
             else:
                 serialization.deserialize_computation(_fix_crc(body))

@@ -98,6 +98,17 @@ def test_measuring_is_said_on_stderr(capsys):
     assert "fedlang: picked" in err
 
 
+def test_a_live_progress_display_shows_measuring_in_place_of_stderr(capsys):
+    from fedlang.core import status
+
+    shown = []
+    ctx = SimulationContext(strategy="auto", decision_cache=False, progress=True)
+    with status.showing(shown.append):
+        run(ctx, make_round(), np.ones(3, np.float32), clients(6))
+    assert any(m.startswith("measuring loop vs scan for client_update") for m in shown), shown
+    assert "fedlang:" not in capsys.readouterr().err  # a line under a live bar breaks it
+
+
 def test_measurement_stops_when_the_budget_is_spent():
     calls = {"a": 0, "b": 0}
 

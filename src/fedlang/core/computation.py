@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fedlang.core import context, ir, types
+from fedlang.core import context, ir, types, wire
 
 
 class Computation(abc.ABC):
@@ -25,7 +25,7 @@ class Computation(abc.ABC):
     type_signature: types.FunctionType
 
     @abc.abstractmethod
-    def to_ir(self) -> ir.Node:
+    def to_ir(self) -> ir.Lambda | ir.Local:
         """The IR of this computation: a `Lambda` or a `Local` node."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -35,10 +35,13 @@ class Computation(abc.ABC):
         return context.get_context().invoke(self, arg)
 
     def to_bytes(self) -> bytes:
-        """Serializes this computation (see `fedlang.core.serialization`)."""
-        from fedlang.core import serialization
+        """Serializes this computation: its IR and the local computations it calls, in
+        the binary format of `fedlang.core.wire`.
 
-        return serialization.serialize_computation(self)
+        Raises:
+          SerializationError: if a local computation's backend has no registered codec.
+        """
+        return wire.encode_computation(self.to_ir(), self.name, self.parameter_names)
 
     @staticmethod
     def from_bytes(
@@ -46,15 +49,37 @@ class Computation(abc.ABC):
     ) -> Computation:
         """Rebuilds a computation serialized with `to_bytes`, in any process.
 
-        Bytes from an untrusted source are checked before this process parses the
-        programs they embed: pass `public_key` to require a signature by that key
-        (fast), `trusted=True` for bytes you wrote yourself, or neither to have them
-        checked in a separate process first. See `serialization.deserialize_computation`.
-        """
-        from fedlang.core import serialization
+        A computation embeds native programs (the JAX backend's StableHLO), which a
+        damaged or crafted file could use to crash or hijack the process that parses
+        them. So bytes are handed to a native parser here only when they are trusted:
 
-        return serialization.deserialize_computation(
+        * `public_key=...`: `data` must be signed (`fedlang.core.signing.sign`) by that
+          key's private half; the signature is checked before anything is parsed.
+        * `trusted=True`: the caller vouches for the bytes (it wrote them itself).
+        * otherwise each embedded program is first checked in a separate process
+          (loaded, compared with the declared types, compiled and run once on zeros);
+          only if that process survives and agrees is it loaded here. This costs a
+          process start.
+
+        In every case each program's argument and result types must match the signature
+        it declares, and its custom calls must be on the backend's allow-list.
+        `max_bytes`, if given, bounds the bytes of the tensors it holds.
+
+        Raises:
+          SerializationError: if the bytes are malformed, truncated, from a newer
+            version, unsigned or signed by another key (with `public_key`), name an
+            unknown intrinsic or backend, do not type-check, or embed a program that
+            fails its check.
+        """
+        root, name, names = wire.decode_computation(
             data, public_key=public_key, trusted=trusted, max_bytes=max_bytes
+        )
+        if isinstance(root, ir.Lambda):
+            return IRComputation(root, name, names)
+        if isinstance(root, ir.Local) and isinstance(root.computation, Computation):
+            return root.computation
+        raise wire.malformed(
+            "a Lambda or a local computation at the root of the IR", type(root).__name__
         )
 
     def __repr__(self) -> str:
@@ -78,7 +103,7 @@ class IRComputation(Computation):
     def type_signature(self) -> types.FunctionType:  # type: ignore[override]
         return self.ir.type_signature  # type: ignore[return-value]
 
-    def to_ir(self) -> ir.Node:
+    def to_ir(self) -> ir.Lambda:
         return self.ir
 
     def compact_str(self) -> str:

@@ -3,10 +3,10 @@
 Each intrinsic is one `IntrinsicDef`: its URI, its kind, its type rule (argument type
 -> result type, raising `TypeError` with a fix) and its reference semantics over
 internal values (CLIENTS values are Python lists with one entry per client). Tracing
-records calls by URI; the reference runtime runs the semantics; every other runtime
-declares a strategy table `{uri: implementation}` and falls back to the semantics
-where that is valid, or refuses an intrinsic before running anything
-(`check_supported`).
+records calls by URI (`tracing.call_intrinsic`); the reference runtime runs the
+semantics; every other runtime declares a strategy table `{uri: implementation}` and
+falls back to the semantics where that is valid, or refuses an intrinsic before
+running anything (`check_supported`).
 
 The standard intrinsics are defined in `intrinsic_defs` (and the sparse family in
 `sparse_intrinsics`); a new one is a single `define(...)` call, anywhere:
@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from fedlang.core import ir, structure, tracing, types
+from fedlang.core import ir, structure, types
 
 
 class Kind(enum.Enum):
@@ -121,15 +121,6 @@ def lookup(uri: str) -> IntrinsicDef:
     if uri not in TABLE:
         raise ValueError(f"Unknown intrinsic {uri!r}; known intrinsics are {sorted(TABLE)}.")
     return TABLE[uri]
-
-
-def call_intrinsic(uri: str, arg: Any) -> tracing.Value:
-    """Type-checks `arg` against the intrinsic's rule and records the call in the trace."""
-    ctx = tracing.current_tracing_context(uri)
-    node = tracing.to_node(arg)
-    result_type = lookup(uri).type_rule(node.type_signature)
-    fn = ir.Intrinsic(uri, types.FunctionType(node.type_signature, result_type))
-    return ctx.bind(ir.Call(fn, node))
 
 
 class UnsupportedIntrinsicError(TypeError):

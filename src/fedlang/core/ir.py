@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlang.core import local, types
+from fedlang.core import local, type_format, types
 
 LocalComputation = local.LocalComputation
 
@@ -159,7 +159,8 @@ class Call(Node):
                 )
             if not fn_type.parameter.is_assignable_from(argument.type_signature):
                 raise TypeError(
-                    f"Expected an argument of type {fn_type.parameter}, found {argument.type_signature}."
+                    "Expected an argument of type "
+                    f"{type_format.expected_found(fn_type.parameter, argument.type_signature)}."
                 )
         self.function = function
         self.argument = argument

@@ -20,7 +20,7 @@ computation is `masked`.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -29,6 +29,8 @@ from fedlang.core import structure, types
 PARTS = ("fn", "prologue", "step", "epilogue")
 
 MASK_TYPE = types.TensorType(np.float32, [None])
+
+_T = TypeVar("_T")
 
 
 @runtime_checkable
@@ -92,8 +94,9 @@ class LocalProgram(LocalComputation, Protocol):
     def run(self, name: str, leaves: list[Any]) -> list[Any]:
         """Runs the compiled program `name` on flat leaves (compiled once, cached)."""
 
-    def program(self, key: Hashable, build: Callable[[], Callable]) -> Callable:
-        """A program a runtime derives from this computation, built once per key and cached."""
+    def program(self, key: Hashable, build: Callable[[], _T]) -> _T:
+        """What a runtime derives from this computation (a compiled scan or vmap of its
+        programs, a note of the lengths compiled), built once per key and cached."""
 
     def split_arg(self, arg: Any) -> list[Any]:
         """The internal argument split into one value per Python parameter."""
@@ -102,11 +105,24 @@ class LocalProgram(LocalComputation, Protocol):
         """The flat leaves of the non-dataset arguments, in `arg_leaf_types` order."""
 
 
-def element_type(comp: LocalProgram) -> types.Type:
-    """The element type of a computation's dataset parameter."""
+def dataset_index(comp: LocalProgram) -> int:
+    """The index of a computation's dataset parameter among its Python parameters."""
     if comp.seq_index is None:
         raise TypeError(f"{comp.name} takes no dataset.")
-    seq = comp.param_types[comp.seq_index]
+    return comp.seq_index
+
+
+def parameter_type(comp: LocalComputation) -> types.Type:
+    """A computation's parameter type (a struct of its parameters when it has several)."""
+    param = comp.type_signature.parameter
+    if param is None:
+        raise TypeError(f"{comp.name} takes no argument.")
+    return param
+
+
+def element_type(comp: LocalProgram) -> types.Type:
+    """The element type of a computation's dataset parameter."""
+    seq = comp.param_types[dataset_index(comp)]
     assert isinstance(seq, types.SequenceType)  # the backend checked it
     return seq.element
 
@@ -176,11 +192,11 @@ def _conforms(value: Any, protocol: type) -> bool:
     return known
 
 
-def is_local(value: Any) -> bool:
+def is_local(value: Any) -> TypeGuard[LocalComputation]:
     """Whether `value` is a local computation (`LocalComputation`)."""
     return _conforms(value, LocalComputation)
 
 
-def is_program(value: Any) -> bool:
+def is_program(value: Any) -> TypeGuard[LocalProgram]:
     """Whether `value` offers the fast runtimes' contract (`LocalProgram`)."""
     return _conforms(value, LocalProgram)

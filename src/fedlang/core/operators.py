@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from fedlang.core import intrinsic_defs as defs
-from fedlang.core import intrinsics, ir, tracing, types
+from fedlang.core import tracing, types
 
 CLIENTS, SERVER = types.CLIENTS, types.SERVER
 
@@ -42,7 +42,7 @@ def federated_value(value: Any, placement: types.Placement) -> tracing.Value:
     """
     p = _placement(placement, "federated_value")
     uri = (defs.FEDERATED_VALUE_AT_SERVER if p is SERVER else defs.FEDERATED_VALUE_AT_CLIENTS).uri
-    return intrinsics.call_intrinsic(uri, value)
+    return tracing.call_intrinsic(uri, value)
 
 
 def federated_eval(fn: Any, placement: types.Placement) -> tracing.Value:
@@ -52,7 +52,7 @@ def federated_eval(fn: Any, placement: types.Placement) -> tracing.Value:
     """
     p = _placement(placement, "federated_eval")
     uri = (defs.FEDERATED_EVAL_AT_SERVER if p is SERVER else defs.FEDERATED_EVAL_AT_CLIENTS).uri
-    return intrinsics.call_intrinsic(uri, fn)
+    return tracing.call_intrinsic(uri, fn)
 
 
 def federated_broadcast(value: Any) -> tracing.Value:
@@ -60,7 +60,7 @@ def federated_broadcast(value: Any) -> tracing.Value:
 
     Type signature: `(T@SERVER -> T@CLIENTS)`.
     """
-    return intrinsics.call_intrinsic(defs.FEDERATED_BROADCAST.uri, value)
+    return tracing.call_intrinsic(defs.FEDERATED_BROADCAST.uri, value)
 
 
 def federated_map(fn: Any, value: Any) -> tracing.Value:
@@ -81,7 +81,7 @@ def federated_map(fn: Any, value: Any) -> tracing.Value:
     fn_node = (
         tracing.ir_of(fn, vt.member) if not isinstance(fn, tracing.Value) else tracing.to_node(fn)
     )
-    return intrinsics.call_intrinsic(defs.FEDERATED_MAP.uri, (tracing.NodeRef(fn_node), v))
+    return tracing.call_intrinsic(defs.FEDERATED_MAP.uri, (tracing.NodeRef(fn_node), v))
 
 
 def federated_apply(fn: Any, value: Any) -> tracing.Value:
@@ -101,7 +101,7 @@ def federated_zip(value: Any) -> tracing.Value:
 
     Type signature: `(<{A}@CLIENTS,{B}@CLIENTS> -> {<A,B>}@CLIENTS)` (and at SERVER).
     """
-    return intrinsics.call_intrinsic(defs.FEDERATED_ZIP.uri, value)
+    return tracing.call_intrinsic(defs.FEDERATED_ZIP.uri, value)
 
 
 def federated_sum(value: Any) -> tracing.Value:
@@ -109,7 +109,7 @@ def federated_sum(value: Any) -> tracing.Value:
 
     Type signature: `({T}@CLIENTS -> T@SERVER)`.
     """
-    return intrinsics.call_intrinsic(defs.FEDERATED_SUM.uri, _federated(value))
+    return tracing.call_intrinsic(defs.FEDERATED_SUM.uri, _federated(value))
 
 
 def federated_mean(value: Any, weight: Any = None) -> tracing.Value:
@@ -121,18 +121,18 @@ def federated_mean(value: Any, weight: Any = None) -> tracing.Value:
     """
     v = _federated(value)
     if weight is None:
-        return intrinsics.call_intrinsic(defs.FEDERATED_MEAN.uri, v)
-    return intrinsics.call_intrinsic(defs.FEDERATED_WEIGHTED_MEAN.uri, (v, tracing.to_value(weight)))
+        return tracing.call_intrinsic(defs.FEDERATED_MEAN.uri, v)
+    return tracing.call_intrinsic(defs.FEDERATED_WEIGHTED_MEAN.uri, (v, tracing.to_value(weight)))
 
 
 def federated_min(value: Any) -> tracing.Value:
     """Elementwise minimum over clients: `({T}@CLIENTS -> T@SERVER)`."""
-    return intrinsics.call_intrinsic(defs.FEDERATED_MIN.uri, _federated(value))
+    return tracing.call_intrinsic(defs.FEDERATED_MIN.uri, _federated(value))
 
 
 def federated_max(value: Any) -> tracing.Value:
     """Elementwise maximum over clients: `({T}@CLIENTS -> T@SERVER)`."""
-    return intrinsics.call_intrinsic(defs.FEDERATED_MAX.uri, _federated(value))
+    return tracing.call_intrinsic(defs.FEDERATED_MAX.uri, _federated(value))
 
 
 def federated_aggregate(
@@ -154,7 +154,7 @@ def federated_aggregate(
     acc = tracing.ir_of(accumulate, types.StructType([zt, vt.member]))
     mrg = tracing.ir_of(merge, types.StructType([zt, zt]))
     rep = tracing.ir_of(report, zt)
-    return intrinsics.call_intrinsic(
+    return tracing.call_intrinsic(
         defs.FEDERATED_AGGREGATE.uri,
         (v, z, tracing.NodeRef(acc), tracing.NodeRef(mrg), tracing.NodeRef(rep)),
     )
@@ -177,7 +177,7 @@ def federated_select(
     st = sv.type_signature
     member = st.member if isinstance(st, types.FederatedType) else st
     fn = tracing.ir_of(select_fn, types.StructType([member, types.TensorType(np.int32)]))
-    return intrinsics.call_intrinsic(defs.FEDERATED_SELECT.uri, (keys, mx, sv, tracing.NodeRef(fn)))
+    return tracing.call_intrinsic(defs.FEDERATED_SELECT.uri, (keys, mx, sv, tracing.NodeRef(fn)))
 
 
 def _int_constant(x: Any, uri: str, what: str) -> Any:
@@ -204,7 +204,7 @@ def federated_secure_sum_bitwidth(value: Any, bitwidth: Any) -> tracing.Value:
     the sum is exact in a group of size `2^(bitwidth + ceil(log2(num_clients)))`.
     """
     b = _int_constant(bitwidth, "federated_secure_sum_bitwidth", "bitwidth")
-    return intrinsics.call_intrinsic(defs.FEDERATED_SECURE_SUM_BITWIDTH.uri, (_federated(value), b))
+    return tracing.call_intrinsic(defs.FEDERATED_SECURE_SUM_BITWIDTH.uri, (_federated(value), b))
 
 
 def federated_secure_modular_sum(value: Any, modulus: Any) -> tracing.Value:
@@ -213,7 +213,7 @@ def federated_secure_modular_sum(value: Any, modulus: Any) -> tracing.Value:
     Type signature: `(<{T}@CLIENTS,M> -> T@SERVER)`.
     """
     m = _int_constant(modulus, "federated_secure_modular_sum", "modulus")
-    return intrinsics.call_intrinsic(defs.FEDERATED_SECURE_MODULAR_SUM.uri, (_federated(value), m))
+    return tracing.call_intrinsic(defs.FEDERATED_SECURE_MODULAR_SUM.uri, (_federated(value), m))
 
 
 def _seq_member(value: tracing.Value) -> types.Type:
@@ -230,7 +230,7 @@ def sequence_map(fn: Any, value: Any) -> tracing.Value:
     On `{sequence<T>}@CLIENTS` it applies at each client.
     """
     v = tracing.to_value(value)
-    return intrinsics.call_intrinsic(
+    return tracing.call_intrinsic(
         defs.SEQUENCE_MAP.uri, (tracing.NodeRef(tracing.ir_of(fn, _seq_member(v))), v)
     )
 
@@ -245,21 +245,12 @@ def sequence_reduce(value: Any, zero: Any, op: Any) -> tracing.Value:
     zt = z.type_signature
     zero_member = zt.member if isinstance(zt, types.FederatedType) else zt
     fn = tracing.ir_of(op, types.StructType([zero_member, _seq_member(v)]))
-    return intrinsics.call_intrinsic(defs.SEQUENCE_REDUCE.uri, (v, z, tracing.NodeRef(fn)))
+    return tracing.call_intrinsic(defs.SEQUENCE_REDUCE.uri, (v, z, tracing.NodeRef(fn)))
 
 
 def sequence_sum(value: Any) -> tracing.Value:
     """Sums the elements of a sequence: `(sequence<T> -> T)`, pointwise when federated."""
-    return intrinsics.call_intrinsic(defs.SEQUENCE_SUM.uri, tracing.to_value(value))
-
-
-def federated_select_field(value: tracing.Value, key: str | int) -> tracing.Value:
-    """`value.key` on a federated struct: a federated_map of the field selection."""
-    t = value.type_signature
-    assert isinstance(t, types.FederatedType) and isinstance(t.member, types.StructType)
-    param = ir.Reference("x", t.member)
-    selector = ir.Lambda("x", t.member, ir.Selection(param, key))
-    return intrinsics.call_intrinsic(defs.FEDERATED_MAP.uri, (tracing.NodeRef(selector), value))
+    return tracing.call_intrinsic(defs.SEQUENCE_SUM.uri, tracing.to_value(value))
 
 
 def federated_sparse_sum(value: Any, keep_sparse: bool = False) -> tracing.Value:
@@ -271,7 +262,7 @@ def federated_sparse_sum(value: Any, keep_sparse: bool = False) -> tracing.Value
     indices with summed values (coalesced: unique, sorted indices).
     """
     uri = (defs.SPARSE_SUM_KEEP_SPARSE if keep_sparse else defs.SPARSE_SUM).uri
-    return intrinsics.call_intrinsic(uri, _federated(value))
+    return tracing.call_intrinsic(uri, _federated(value))
 
 
 def federated_sparse_mean(value: Any) -> tracing.Value:
@@ -281,6 +272,6 @@ def federated_sparse_mean(value: Any) -> tracing.Value:
     the union of the clients' indices, the sum of the values divided by the number of
     clients that sent that index (a client sending an index twice counts once).
     """
-    return intrinsics.call_intrinsic(
+    return tracing.call_intrinsic(
         defs.SPARSE_MEAN.uri, _federated(value)
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Protocol
 
-from fedlang.core import computation, types
+from fedlang.core import client_state, computation, types
 
 
 class IterativeProcess:
@@ -18,6 +18,10 @@ class IterativeProcess:
         state = process.initialize()
         for round_num in range(10):
             state, metrics = process.next(state, client_data)
+
+    A process whose clients keep state across rounds has a `next` made by
+    `fedlang.with_client_state`; `client_state` is then its `ClientStateSpec` (the
+    state type and the initial state), else None.
 
     Raises:
       TypeError: when the two computations do not fit together.
@@ -61,6 +65,7 @@ class IterativeProcess:
         self.initialize = initialize_fn
         self.next = next_fn
         self.state_type = state_t
+        self.client_state = client_state.spec_of(next_fn)
 
     def __repr__(self) -> str:
         return f"IterativeProcess(initialize: {self.initialize.type_signature}, next: {self.next.type_signature})"

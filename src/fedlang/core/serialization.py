@@ -1,25 +1,10 @@
-"""A versioned binary format for types, values and computations.
+"""Types, values and computations to bytes and back: the public entry points.
 
-Everything fedlang sends across a process or trust boundary uses one frame::
-
-    magic       4 bytes   b"FEDL"
-    version     u16       FORMAT_VERSION (readers reject newer versions)
-    kind        u8        1 = type, 2 = value, 3 = computation
-    header_len  u32       then `header_len` bytes of UTF-8 JSON (the header)
-    blobs       header["blobs"] times: u64 length, then that many bytes
-    checksum    u32       CRC-32 of every byte before it (checked before parsing)
-
-All integers are little-endian. The header always has a `types` table (JSON type
-trees; elsewhere a type is an index into it) and `blobs` (the blob count):
-
-* type: `{"type": i}`.
-* value: `{"type": i, "value": v}` where `v` mirrors the type: a tensor is
-  `{"dtype", "shape", "blob"}` (a raw little-endian buffer, C order), a sparse tensor
-  `{"indices": tensor, "values": tensor, "dense_shape"}`, a struct a JSON list, a sequence
-  `{"elements": [...]}`, and a per-client CLIENTS value `{"clients": [...]}`.
-* computation: `{"name", "parameter_names", "locals", "ir"}`: IR nodes are JSON
-  objects tagged by `"node"`; `locals` lists local computations (each encoded by the
-  codec registered for its `kind`, e.g. JAX's exported StableHLO) referenced by index.
+`serialize_type`, `serialize_value` and `serialize_computation` (also
+`Computation.to_bytes`) write one frame of the versioned binary format that
+`fedlang.core.wire` defines (magic, version, kind, a JSON header, raw blobs, a CRC-32);
+`deserialize_type`, `deserialize_value` and `deserialize_computation` (also
+`Computation.from_bytes`) read it back.
 
 Reading never executes code from the data: no pickle, no eval, no imports. Dtypes come
 from an allowlist, intrinsics must exist in `intrinsics.TABLE`, the IR is rebuilt with
@@ -36,499 +21,35 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import keyword
-import math
-import struct
-import sys
-import zlib
-from collections.abc import Callable
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from fedlang.core import computation, errors, intrinsics, ir, signing, sparse, structure, types
-from fedlang.core import intrinsic_defs as _standard_intrinsics  # noqa: F401 - fills the registry
-
-MAGIC = b"FEDL"
-FORMAT_VERSION = 1
-KIND_TYPE, KIND_VALUE, KIND_COMPUTATION = 1, 2, 3
-_KIND_NAMES = {KIND_TYPE: "a type", KIND_VALUE: "a value", KIND_COMPUTATION: "a computation"}
-_PREFIX = struct.Struct("<4sHBI")
-
-_DTYPES: dict[str, np.dtype] = {
-    name: np.dtype(name)
-    for name in [
-        "bool",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    ]
-}
-_DTYPES.update(
-    {n: np.dtype(getattr(ml_dtypes, n)) for n in ("bfloat16", "float8_e4m3fn", "float8_e5m2")}
-)
-# Strings: a blob of the elements' UTF-8 bytes, concatenated in C order, and a blob of
-# their byte lengths as little-endian uint64 (see EncodeContext.tensor).
-_DTYPES["str"] = types.STRING
-
+from fedlang.core import computation, errors, sparse, structure, types, wire
 
 SerializationError = errors.SerializationError
-
-
-def malformed(expected: str, found: Any, fix: str = "") -> SerializationError:
-    """The error for bytes that are not what was expected: "Expected X, found Y." plus a fix."""
-    found = str(found)
-    end = "" if found.endswith(".") else "."
-    return SerializationError(f"Expected {expected}, found {found}{end}{(' ' + fix) if fix else ''}")
-
-
-# Whatever a parser raises on malformed input becomes a SerializationError (with the
-# original as its cause): callers handle one documented error type.
-_PARSER_ERRORS = (
-    TypeError,
-    ValueError,
-    KeyError,
-    IndexError,
-    AttributeError,
-    RecursionError,
-    OverflowError,
-    AssertionError,
-    StopIteration,
-    struct.error,
-    UnicodeError,
-)
-
-
-class _Malformed:
-    """`with _Malformed(what):` turns a parser's exception into a `SerializationError`."""
-
-    def __init__(self, what: str):
-        self.what = what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
-        # Returns None: an exception is never swallowed, only replaced.
-        if isinstance(error, _PARSER_ERRORS) and not isinstance(error, SerializationError):
-            raise malformed(
-                self.what, f"an error reading it: {type(error).__name__}: {error}"
-            ) from error
-
-
-# ----------------------------------------------------------------------------
-# Framing
-
-
-def _pack(kind: int, header: dict[str, Any], blobs: list[bytes]) -> bytes:
-    header = {**header, "blobs": len(blobs)}
-    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, kind, len(head)), head]
-    for b in blobs:
-        parts += [struct.pack("<Q", len(b)), b]
-    body = b"".join(parts)
-    return body + struct.pack("<I", zlib.crc32(body))
-
-
-def _check_bytes(data: Any) -> None:
-    # A caller's mistake (not bytes at all) is a TypeError, not malformed data.
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise TypeError(f"Expected bytes to deserialize, found {types.describe(data)}.")
-
-
-def _unpack(data: Any, kind: int) -> tuple[dict[str, Any], list[bytes]]:
-    _check_bytes(data)
-    data = bytes(data)
-    if len(data) < _PREFIX.size + 4:
-        raise malformed(f"at least {_PREFIX.size + 4} bytes of fedlang data", f"{len(data)} bytes")
-    magic, version, found_kind, head_len = _PREFIX.unpack_from(data)
-    if magic != MAGIC:
-        raise malformed(f"fedlang data starting with {MAGIC!r}", repr(magic[:4]))
-    if version > FORMAT_VERSION or version < 1:
-        raise malformed(
-            f"format version 1..{FORMAT_VERSION}",
-            f"version {version}",
-            "It was written by a newer fedlang; upgrade fedlang to read it."
-            if version > FORMAT_VERSION
-            else "",
-        )
-    if found_kind != kind:
-        what = _KIND_NAMES.get(found_kind, f"unknown kind {found_kind}")
-        raise malformed(f"{_KIND_NAMES[kind]} (kind {kind})", f"{what} (kind {found_kind})")
-    (crc,) = struct.unpack_from("<I", data, len(data) - 4)
-    if crc != zlib.crc32(data[:-4]):
-        raise malformed(
-            f"checksum {zlib.crc32(data[:-4]):#010x}", f"{crc:#010x} (truncated or corrupted data)"
-        )
-    data = data[:-4]
-    pos = _PREFIX.size + head_len
-    if pos > len(data):
-        raise malformed(f"a {head_len}-byte header", f"{len(data) - _PREFIX.size} bytes")
-    try:
-        header = json.loads(data[_PREFIX.size : pos].decode())
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise malformed("a UTF-8 JSON header", f"invalid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise malformed("a JSON object as the header", type(header).__name__)
-    count = check_int(header.get("blobs"), "the blob count in the header")
-    blobs = []
-    for i in range(count):
-        if pos + 8 > len(data):
-            raise malformed(f"the length of blob {i} of {count}", "the end of the data")
-        (n,) = struct.unpack_from("<Q", data, pos)
-        pos += 8
-        if pos + n > len(data):
-            raise malformed(f"{n} bytes of blob {i}", f"{len(data) - pos} bytes")
-        blobs.append(data[pos : pos + n])
-        pos += n
-    if pos != len(data):
-        raise malformed("the checksum after the last blob", f"{len(data) - pos} more bytes")
-    return header, blobs
-
-
-def check_int(x: Any, what: str, low: int = 0, high: int | None = None) -> int:
-    if not isinstance(x, int) or isinstance(x, bool) or x < low or (high is not None and x >= high):
-        bound = f" in [{low}, {high})" if high is not None else f" >= {low}"
-        raise malformed(f"an integer{bound} for {what}", repr(x))
-    return x
-
-
-def _get(obj: Any, key: str, kind: type | tuple[type, ...], what: str) -> Any:
-    if not isinstance(obj, dict) or key not in obj:
-        raise malformed(f"{what} with a {key!r} entry", repr(obj)[:80])
-    value = obj[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise malformed(
-            f"{key!r} of {what} to be {getattr(kind, '__name__', kind)}", repr(value)[:80]
-        )
-    return value
-
-
-# ----------------------------------------------------------------------------
-# Encoding and decoding state shared by types, values and IR
-
-
-class EncodeContext:
-    """Collects the type table and blobs while encoding; local codecs write through it."""
-
-    def __init__(self) -> None:
-        self.types: list[Any] = []
-        self._type_index: dict[types.Type, int] = {}
-        self.blobs: list[bytes] = []
-
-    def add_blob(self, data: bytes) -> int:
-        """Stores `data` as a blob; returns its index."""
-        self.blobs.append(bytes(data))
-        return len(self.blobs) - 1
-
-    def type_ref(self, t: types.Type) -> int:
-        """Stores `t` in the type table (once; containers must agree); returns its index."""
-        key = (t, _container_key(t))
-        if key not in self._type_index:
-            self._type_index[key] = len(self.types)  # type: ignore[index]
-            self.types.append(_type_json(t))
-        return self._type_index[key]  # type: ignore[index]
-
-    def tensor(self, value: Any) -> dict[str, Any]:
-        arr = np.asarray(value)  # (tobytes writes C order; ascontiguousarray would make 0-d 1-d)
-        name = types._dtype_name(arr.dtype)
-        if name == "str":
-            encoded = [s.encode("utf-8") for s in arr.ravel().tolist()]
-            lengths = np.asarray([len(b) for b in encoded], dtype="<u8")
-            return {
-                "dtype": name,
-                "shape": list(arr.shape),
-                "blob": self.add_blob(b"".join(encoded)),
-                "lengths": self.add_blob(lengths.tobytes()),
-            }
-        if name not in _DTYPES:
-            raise TypeError(
-                f"Expected a tensor of one of the dtypes {sorted(_DTYPES)}, found {arr.dtype}."
-            )
-        arr = arr.astype(arr.dtype.newbyteorder("=")) if not arr.dtype.isnative else arr
-        if sys.byteorder == "big":
-            arr = arr.byteswap()
-        return {"dtype": name, "shape": list(arr.shape), "blob": self.add_blob(arr.tobytes())}
-
-
-class DecodeContext:
-    """Reads the type table and blobs while decoding; local codecs read through it.
-
-    Every blob may be read once: the format never shares a buffer between two values,
-    so a value cannot decode to more tensor bytes than it holds (a "decompression bomb"
-    of many references to one large blob is refused). `max_bytes` bounds the decoded
-    tensor bytes further, for callers such as a server with a memory budget.
-
-    Attributes:
-      trusted: whether the bytes come from a source the caller trusts (its own, or
-        verified against a pinned key). Local codecs must not hand untrusted embedded
-        programs to a native parser in this process before checking them elsewhere.
-    """
-
-    def __init__(
-        self,
-        header: dict[str, Any],
-        blobs: list[bytes],
-        trusted: bool = False,
-        max_bytes: int | None = None,
-    ):
-        self._types_json = _get(header, "types", list, "the header")
-        self._types: dict[int, types.Type] = {}
-        self._blobs = blobs
-        self._used: set[int] = set()
-        self.trusted = trusted
-        self.max_bytes = max_bytes
-        self.decoded_bytes = 0
-
-    def blob(self, index: Any) -> bytes:
-        """The blob at `index` (validated; each blob may be read once)."""
-        i = check_int(index, "a blob index", 0, len(self._blobs))
-        if i in self._used:
-            raise malformed(
-                f"each blob to be used once (blob {i} is referenced twice)",
-                "a shared reference",
-                "The format never shares buffers; these bytes were crafted or damaged.",
-            )
-        self._used.add(i)
-        return self._blobs[i]
-
-    def account(self, nbytes: int) -> None:
-        """Counts `nbytes` of decoded data against `max_bytes`."""
-        self.decoded_bytes += nbytes
-        if self.max_bytes is not None and self.decoded_bytes > self.max_bytes:
-            raise malformed(
-                f"at most {self.max_bytes} decoded bytes (the caller's limit)",
-                f"more than {self.decoded_bytes} bytes",
-            )
-
-    def type(self, index: Any) -> types.Type:
-        """The type at `index` of the type table (validated)."""
-        i = check_int(index, "a type index", 0, len(self._types_json))
-        if i not in self._types:
-            try:
-                self._types[i] = _type_from_json(self._types_json[i])
-            except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
-                if isinstance(e, SerializationError):
-                    raise
-                raise malformed("a valid type", f"an invalid type ({e})") from None
-        return self._types[i]
-
-    def tensor(self, obj: Any, expected: types.TensorType | None = None) -> np.ndarray:
-        name = _get(obj, "dtype", str, "a tensor")
-        if name not in _DTYPES:
-            raise malformed(f"a tensor dtype in {sorted(_DTYPES)}", repr(name))
-        dtype = _DTYPES[name]
-        shape = tuple(
-            check_int(d, "a tensor dimension") for d in _get(obj, "shape", list, "a tensor")
-        )
-        if expected is not None and (
-            expected.dtype != dtype or not types._shape_assignable(expected.shape, shape)
-        ):
-            raise malformed(f"a tensor of type {expected}", f"{name}{list(shape)}")
-        if name == "str":
-            return self._strings(obj, shape)
-        buf = self.blob(obj.get("blob"))
-        size = math.prod(shape) * dtype.itemsize
-        if len(buf) != size:
-            raise malformed(f"{size} bytes for a {name}{list(shape)} tensor", f"{len(buf)} bytes")
-        self.account(size)
-        if dtype == np.bool_:
-            return (np.frombuffer(buf, np.uint8) != 0).reshape(shape)
-        arr = np.frombuffer(buf, dtype).reshape(shape)
-        return arr.byteswap() if sys.byteorder == "big" else arr.copy()
-
-    def _strings(self, obj: dict[str, Any], shape: tuple[int, ...]) -> np.ndarray:
-        count = math.prod(shape)
-        length_buf = self.blob(obj.get("lengths"))
-        if len(length_buf) != 8 * count:
-            raise malformed(
-                f"{8 * count} bytes of lengths for a str{list(shape)} tensor",
-                f"{len(length_buf)} bytes",
-            )
-        data = self.blob(obj.get("blob"))
-        # Counted before decoding: the limit holds for the text as for any tensor.
-        self.account(len(data) + len(length_buf))
-        lengths = np.frombuffer(length_buf, "<u8")
-        if int(lengths.sum(dtype=np.uint64)) != len(data) or (lengths > len(data)).any():
-            raise malformed(
-                f"string lengths adding up to the {len(data)} bytes of text",
-                f"lengths summing to {int(lengths.sum(dtype=np.uint64))}",
-            )
-        ends = np.cumsum(lengths, dtype=np.int64)
-        starts = ends - lengths.astype(np.int64)
-        try:
-            items = [data[a:b].decode("utf-8") for a, b in zip(starts.tolist(), ends.tolist())]
-        except UnicodeDecodeError as e:
-            raise malformed("UTF-8 text in a str tensor", f"invalid bytes ({e.reason})") from None
-        return np.asarray(items, dtype=types.STRING).reshape(shape)
+# The error for bytes that are not what was expected, for readers of formats built on
+# this one (deployment plans): "Expected X, found Y." plus a fix.
+malformed = wire.malformed
 
 
 # ----------------------------------------------------------------------------
 # Types
 
 
-def _container_key(t: types.Type) -> Any:
-    if isinstance(t, types.StructType):
-        c = t.container
-        return (None if c is None else (c.kind, c.cls, c.name), *map(_container_key, t.types))
-    return tuple(_container_key(c) for c in t.children())
-
-
-def _container_json(c: types.ContainerSpec | None) -> Any:
-    if c is None:
-        return None
-    out: dict[str, Any] = {"kind": c.kind, "name": c.name}
-    if c.cls is not None:
-        out.update(module=getattr(c.cls, "__module__", ""), qualname=c.cls.__qualname__)
-    return out
-
-
-def _type_json(t: types.Type) -> Any:
-    if isinstance(t, types.TensorType | types.SparseTensorType):
-        shape = t.shape if isinstance(t, types.TensorType) else t.dense_shape
-        kind = "tensor" if isinstance(t, types.TensorType) else "sparse"
-        return {"t": kind, "dtype": types._dtype_name(t.dtype), "shape": list(shape)}
-    if isinstance(t, types.StructType):
-        fields = [[n, _type_json(et)] for n, et in t.elements]
-        return {"t": "struct", "fields": fields, "container": _container_json(t.container)}
-    if isinstance(t, types.SequenceType):
-        return {"t": "sequence", "element": _type_json(t.element)}
-    if isinstance(t, types.FederatedType):
-        return {
-            "t": "federated",
-            "member": _type_json(t.member),
-            "placement": t.placement.name,
-            "all_equal": t.all_equal,
-        }
-    if isinstance(t, types.FunctionType):
-        param = None if t.parameter is None else _type_json(t.parameter)
-        return {"t": "function", "parameter": param, "result": _type_json(t.result)}
-    if isinstance(t, types.PlacementType):
-        return {"t": "placement"}
-    raise TypeError(f"Expected a fedlang type, found {t!r}.")
-
-
-def _type_from_json(obj: Any) -> types.Type:
-    tag = _get(obj, "t", str, "a type")
-    if tag in ("tensor", "sparse"):
-        name = _get(obj, "dtype", str, "a type")
-        if name not in _DTYPES:
-            raise malformed(f"a dtype in {sorted(_DTYPES)}", repr(name))
-        shape = [
-            None if d is None else check_int(d, "a dimension")
-            for d in _get(obj, "shape", list, "a type")
-        ]
-        cls = types.TensorType if tag == "tensor" else types.SparseTensorType
-        return cls(_DTYPES[name], shape)
-    if tag == "struct":
-        fields = []
-        for f in _get(obj, "fields", list, "a struct type"):
-            if not (
-                isinstance(f, list) and len(f) == 2 and (f[0] is None or isinstance(f[0], str))
-            ):
-                raise malformed("a [name or null, type] struct field", repr(f)[:80])
-            fields.append((f[0], _type_from_json(f[1])))
-        return types.StructType(
-            fields, container=_container_from_json(obj.get("container"), fields)
-        )
-    if tag == "sequence":
-        return types.SequenceType(_type_from_json(obj.get("element")))
-    if tag == "federated":
-        placement = _get(obj, "placement", str, "a federated type")
-        if placement not in types.PLACEMENTS:
-            raise malformed(f"a placement in {sorted(types.PLACEMENTS)}", repr(placement))
-        all_equal = _get(obj, "all_equal", bool, "a federated type")
-        return types.FederatedType(
-            _type_from_json(obj.get("member")), types.PLACEMENTS[placement], all_equal
-        )
-    if tag == "function":
-        param = obj.get("parameter")
-        return types.FunctionType(
-            None if param is None else _type_from_json(param), _type_from_json(obj.get("result"))
-        )
-    if tag == "placement":
-        return types.PlacementType()
-    raise malformed(
-        "a type tag (tensor, sparse, struct, sequence, federated, function, placement)", repr(tag)
-    )
-
-
-def _container_from_json(obj: Any, fields: list[tuple[Any, Any]]) -> types.ContainerSpec | None:
-    if obj is None:
-        return None
-    kind = _get(obj, "kind", str, "a container")
-    name = obj.get("name", "")
-    names = [n for n, _ in fields]
-    if kind in ("dict", "list", "tuple"):
-        return types.ContainerSpec(kind)
-    if kind not in ("namedtuple", "dataclass"):
-        raise malformed("a container kind (dict, list, tuple, namedtuple, dataclass)", repr(kind))
-    cls = _existing_class(obj.get("module"), obj.get("qualname"))
-    if cls is not None and (
-        (
-            kind == "namedtuple"
-            and issubclass(cls, tuple)
-            and getattr(cls, "_fields", None) == tuple(names)
-        )
-        or (
-            kind == "dataclass"
-            and dataclasses.is_dataclass(cls)
-            and [f.name for f in dataclasses.fields(cls)] == names
-        )
-    ):
-        return types.ContainerSpec(kind, cls, cls.__name__)
-    if _valid_namedtuple(name, names):
-        return types.ContainerSpec(kind, None, name)
-    return types.ContainerSpec("dict") if names and None not in names else None
-
-
-def _existing_class(module: Any, qualname: Any) -> type | None:
-    """The class `module.qualname` if that module is already imported (never imports)."""
-    if not isinstance(module, str) or not isinstance(qualname, str):
-        return None
-    scope: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        # vars() rather than getattr: no module __getattr__ or descriptor code runs.
-        scope = vars(scope).get(part) if hasattr(scope, "__dict__") else None
-    return scope if isinstance(scope, type) else None
-
-
-def _valid_namedtuple(name: Any, names: list[Any]) -> bool:
-    return all(
-        isinstance(n, str)
-        and n.isidentifier()
-        and not keyword.iskeyword(n)
-        and not n.startswith("_")
-        for n in [name, *names]
-    ) and len(set(names)) == len(names)
-
-
 def serialize_type(type_spec: Any) -> bytes:
     """Serializes a type (anything `fedlang.to_type` accepts)."""
-    ctx = EncodeContext()
+    ctx = wire.EncodeContext()
     root = ctx.type_ref(types.to_type(type_spec))
-    return _pack(KIND_TYPE, {"types": ctx.types, "type": root}, ctx.blobs)
+    return wire.pack(wire.KIND_TYPE, {"types": ctx.types, "type": root}, ctx.blobs)
 
 
 def deserialize_type(data: bytes) -> types.Type:
     """Reads a type written by `serialize_type`; raises `SerializationError` if malformed."""
-    _check_bytes(data)
-    with _Malformed("a serialized type"):
-        header, blobs = _unpack(data, KIND_TYPE)
-        return DecodeContext(header, blobs).type(header.get("type"))
+    wire.check_bytes(data)
+    with wire.Malformed("a serialized type"):
+        header, blobs = wire.unpack(data, wire.KIND_TYPE)
+        return wire.DecodeContext(header, blobs).type(header.get("type"))
 
 
 # ----------------------------------------------------------------------------
@@ -558,7 +79,7 @@ def _to_internal(value: Any, t: types.Type, path: str) -> Any:
     return structure.to_internal(value, t, path)
 
 
-def _encode_value(v: Any, t: types.Type, ctx: EncodeContext) -> Any:
+def _encode_value(v: Any, t: types.Type, ctx: wire.EncodeContext) -> Any:
     if isinstance(t, types.FederatedType):
         if t.placement is types.CLIENTS and not t.all_equal:
             return {"clients": [_encode_value(x, t.member, ctx) for x in v]}
@@ -576,35 +97,35 @@ def _encode_value(v: Any, t: types.Type, ctx: EncodeContext) -> Any:
     return ctx.tensor(v)
 
 
-def _decode_value(obj: Any, t: types.Type, ctx: DecodeContext) -> Any:
+def _decode_value(obj: Any, t: types.Type, ctx: wire.DecodeContext) -> Any:
     if isinstance(t, types.FederatedType):
         if t.placement is types.CLIENTS and not t.all_equal:
             return [
-                _decode_value(x, t.member, ctx) for x in _get(obj, "clients", list, f"a {t} value")
+                _decode_value(x, t.member, ctx) for x in wire.field(obj, "clients", list, f"a {t} value")
             ]
         return _decode_value(obj, t.member, ctx)
     if isinstance(t, types.StructType):
         if not isinstance(obj, list) or len(obj) != len(t):
-            raise malformed(f"a list of {len(t)} fields for a {t} value", repr(obj)[:80])
+            raise wire.malformed(f"a list of {len(t)} fields for a {t} value", repr(obj)[:80])
         return tuple(_decode_value(x, et, ctx) for x, et in zip(obj, t.types))
     if isinstance(t, types.SequenceType):
         return [
-            _decode_value(x, t.element, ctx) for x in _get(obj, "elements", list, f"a {t} value")
+            _decode_value(x, t.element, ctx) for x in wire.field(obj, "elements", list, f"a {t} value")
         ]
     if isinstance(t, types.SparseTensorType):
         rank = len(t.dense_shape)
         indices = ctx.tensor(obj.get("indices"), types.TensorType(np.int64, [None, rank]))
         values = ctx.tensor(obj.get("values"), types.TensorType(t.dtype, [None]))
         shape = [
-            check_int(d, "a dense dimension")
-            for d in _get(obj, "dense_shape", list, "a sparse value")
+            wire.check_int(d, "a dense dimension")
+            for d in wire.field(obj, "dense_shape", list, "a sparse value")
         ]
         if not types._shape_assignable(t.dense_shape, tuple(shape)):
-            raise malformed(f"a dense shape for {t}", shape)
+            raise wire.malformed(f"a dense shape for {t}", shape)
         return sparse.SparseTensor(indices, values, shape)
     if isinstance(t, types.TensorType):
         return ctx.tensor(obj, t)
-    raise malformed("a value type (tensors, structs, sequences, federated values)", str(t))
+    raise wire.malformed("a value type (tensors, structs, sequences, federated values)", str(t))
 
 
 def _to_python(v: Any, t: types.Type) -> Any:
@@ -632,10 +153,10 @@ def serialize_value(value: Any, type_spec: Any = None) -> bytes:
       TypeError: if the value does not match `type_spec` (or has no fedlang type).
     """
     t = types.infer_value_type(value) if type_spec is None else types.to_type(type_spec)
-    ctx = EncodeContext()
+    ctx = wire.EncodeContext()
     encoded = _encode_value(_to_internal(value, t, ""), t, ctx)
-    return _pack(
-        KIND_VALUE, {"types": ctx.types, "type": ctx.type_ref(t), "value": encoded}, ctx.blobs
+    return wire.pack(
+        wire.KIND_VALUE, {"types": ctx.types, "type": ctx.type_ref(t), "value": encoded}, ctx.blobs
     )
 
 
@@ -660,224 +181,29 @@ def deserialize_value(
       SerializationError: if the bytes are malformed, truncated, from a newer version,
         of another type than `expected_type`, or larger than `max_bytes`.
     """
-    _check_bytes(data)
-    with _Malformed("a serialized value"):
-        header, blobs = _unpack(data, KIND_VALUE)
-        ctx = DecodeContext(header, blobs, max_bytes=max_bytes)
+    wire.check_bytes(data)
+    with wire.Malformed("a serialized value"):
+        header, blobs = wire.unpack(data, wire.KIND_VALUE)
+        ctx = wire.DecodeContext(header, blobs, max_bytes=max_bytes)
         t = ctx.type(header.get("type"))
         if expected_type is not None:
             want = types.to_type(expected_type)
             if t != want:
-                raise malformed(f"a value of type {want}", f"a value of type {t}")
+                raise wire.malformed(f"a value of type {want}", f"a value of type {t}")
         return _to_python(_decode_value(header.get("value"), t, ctx), t)
 
 
 # ----------------------------------------------------------------------------
-# Local computation codecs
-
-
-@dataclasses.dataclass(frozen=True)
-class _Codec:
-    encode: Callable[[Any, EncodeContext], dict[str, Any]]
-    decode: Callable[[dict[str, Any], DecodeContext], Any]
-
-
-_CODECS: dict[str, _Codec] = {}
-
-
-def register_local_codec(
-    kind: str,
-    encode: Callable[[Any, EncodeContext], dict[str, Any]],
-    decode: Callable[[dict[str, Any], DecodeContext], Any],
-) -> None:
-    """Registers how local computations of a backend `kind` (e.g. 'jax') are serialized.
-
-    Args:
-      kind: the `kind` attribute of the backend's local computations.
-      encode: `encode(computation, ctx) -> dict` returns JSON-able metadata, storing
-        binary parts with `ctx.add_blob(bytes)` and types with `ctx.type_ref(t)`.
-      decode: `decode(metadata, ctx) -> LocalComputation` rebuilds it, reading with
-        `ctx.blob(i)` and `ctx.type(i)`. It must not execute code from the data.
-    """
-    _CODECS[kind] = _Codec(encode, decode)
-
-
-def _codec(kind: Any) -> _Codec:
-    if kind not in _CODECS:
-        raise malformed(
-            f"a local computation kind registered with register_local_codec ({sorted(_CODECS)})",
-            repr(kind),
-            "Import the backend that defines it (importing fedlang registers 'jax').",
-        )
-    return _CODECS[kind]
-
-
-# ----------------------------------------------------------------------------
-# IR and computations
-
-
-class _IREncoder:
-    def __init__(self) -> None:
-        self.ctx = EncodeContext()
-        self.locals: list[dict[str, Any]] = []
-        self._local_index: dict[int, int] = {}
-        self._keep: list[Any] = []  # keeps ids in _local_index unique
-
-    def node(self, n: ir.Node) -> dict[str, Any]:
-        ty = self.ctx.type_ref
-        if isinstance(n, ir.Reference):
-            return {"node": "reference", "name": n.name, "type": ty(n.type_signature)}
-        if isinstance(n, ir.Lambda):
-            param = None if n.parameter_type is None else ty(n.parameter_type)
-            return {
-                "node": "lambda",
-                "parameter": n.parameter_name,
-                "parameter_type": param,
-                "result": self.node(n.result),
-            }
-        if isinstance(n, ir.Block):
-            return {
-                "node": "block",
-                "locals": [[k, self.node(v)] for k, v in n.locals],
-                "result": self.node(n.result),
-            }
-        if isinstance(n, ir.Call):
-            arg = None if n.argument is None else self.node(n.argument)
-            return {"node": "call", "function": self.node(n.function), "argument": arg}
-        if isinstance(n, ir.Selection):
-            return {"node": "selection", "source": self.node(n.source), "index": n.index}
-        if isinstance(n, ir.Struct):
-            return {
-                "node": "struct",
-                "elements": [[k, self.node(v)] for k, v in n.elements],
-                "type": ty(n.type_signature),
-            }
-        if isinstance(n, ir.Intrinsic | ir.Data):
-            return {"node": type(n).__name__.lower(), "uri": n.uri, "type": ty(n.type_signature)}
-        if isinstance(n, ir.Literal):
-            return {
-                "node": "literal",
-                "value": self.ctx.tensor(n.value),
-                "type": ty(n.type_signature),
-            }
-        if isinstance(n, ir.PlacementLiteral):
-            return {"node": "placement", "placement": n.placement.name}
-        if isinstance(n, ir.Local):
-            c = n.computation
-            if id(c) not in self._local_index:
-                meta = _codec(c.kind).encode(c, self.ctx)
-                self._local_index[id(c)] = len(self.locals)
-                self._keep.append(c)
-                self.locals.append({"kind": c.kind, "meta": meta})
-            return {"node": "local", "index": self._local_index[id(c)]}
-        raise TypeError(f"Expected an IR node, found {n!r}.")
-
-
-class _IRDecoder:
-    def __init__(
-        self, header: dict[str, Any], blobs: list[bytes], trusted: bool, max_bytes: int | None
-    ):
-        self.ctx = DecodeContext(header, blobs, trusted, max_bytes)
-        self.locals = []
-        for entry in _get(header, "locals", list, "the header"):
-            kind = _get(entry, "kind", str, "a local computation")
-            local = _codec(kind).decode(_get(entry, "meta", dict, "a local computation"), self.ctx)
-            if not isinstance(local, ir.LocalComputation):
-                raise malformed("a local computation from the codec", repr(local)[:80])
-            self.locals.append(local)
-
-    def node(self, obj: Any, env: dict[str, types.Type]) -> ir.Node:
-        tag = _get(obj, "node", str, "an IR node")
-        if tag == "reference":
-            name, t = _get(obj, "name", str, "a reference"), self.ctx.type(obj.get("type"))
-            if name not in env or not t.is_assignable_from(env[name]):
-                found = f"bound to {env[name]}" if name in env else "unbound"
-                raise malformed(f"reference {name!r} of type {t} to be bound", found)
-            return ir.Reference(name, t)
-        if tag == "lambda":
-            name, pt = obj.get("parameter"), obj.get("parameter_type")
-            if name is not None and not isinstance(name, str):
-                raise malformed("a string or null lambda parameter name", repr(name))
-            param_t = None if pt is None else self.ctx.type(pt)
-            inner = env if name is None else {**env, name: param_t}
-            return ir.Lambda(name, param_t, self.node(obj.get("result"), inner))  # type: ignore[arg-type]
-        if tag == "block":
-            env, bound = dict(env), []
-            for entry in _get(obj, "locals", list, "a block"):
-                if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
-                    raise malformed("a [name, node] block local", repr(entry)[:80])
-                value = self.node(entry[1], env)
-                env[entry[0]] = value.type_signature
-                bound.append((entry[0], value))
-            return ir.Block(bound, self.node(obj.get("result"), env))
-        if tag == "call":
-            arg = obj.get("argument")
-            fn = self.node(obj.get("function"), env)
-            return ir.Call(fn, None if arg is None else self.node(arg, env))
-        if tag == "selection":
-            return ir.Selection(
-                self.node(obj.get("source"), env), check_int(obj.get("index"), "a selection index")
-            )
-        if tag == "struct":
-            t = self.ctx.type(obj.get("type"))
-            elements = _get(obj, "elements", list, "a struct node")
-            if not all(isinstance(e, list) and len(e) == 2 for e in elements):
-                raise malformed("[name or null, node] struct elements", repr(elements)[:80])
-            if not isinstance(t, types.StructType) or [e[0] for e in elements] != list(t.names):
-                raise malformed(
-                    f"struct elements named like its type {t}", [e[0] for e in elements]
-                )
-            return ir.Struct([(e[0], self.node(e[1], env)) for e in elements], t.container)
-        if tag == "intrinsic":
-            return _intrinsic(_get(obj, "uri", str, "an intrinsic"), self.ctx.type(obj.get("type")))
-        if tag == "data":
-            return ir.Data(_get(obj, "uri", str, "a data node"), self.ctx.type(obj.get("type")))
-        if tag == "literal":
-            t = self.ctx.type(obj.get("type"))
-            if not isinstance(t, types.TensorType):
-                raise malformed("a tensor type for a literal", str(t))
-            return ir.Literal(self.ctx.tensor(obj.get("value"), t), t)
-        if tag == "placement":
-            name = obj.get("placement")
-            if name not in types.PLACEMENTS:
-                raise malformed(f"a placement in {sorted(types.PLACEMENTS)}", repr(name))
-            return ir.PlacementLiteral(types.PLACEMENTS[name])
-        if tag == "local":
-            return ir.Local(
-                self.locals[check_int(obj.get("index"), "a local index", 0, len(self.locals))]
-            )
-        raise malformed("an IR node tag", repr(tag))
-
-
-def _intrinsic(uri: str, t: types.Type) -> ir.Intrinsic:
-    if uri not in intrinsics.TABLE:
-        raise malformed(
-            "an intrinsic in fedlang.core.intrinsics.TABLE", repr(uri), "Upgrade fedlang?"
-        )
-    if not isinstance(t, types.FunctionType) or t.parameter is None:
-        raise malformed(f"a function type with a parameter for intrinsic {uri}", str(t))
-    result = intrinsics.TABLE[uri].type_rule(t.parameter)
-    if not t.result.is_assignable_from(result):
-        raise malformed(f"{uri} to have a result of type {result} for {t.parameter}", str(t.result))
-    return ir.Intrinsic(uri, t)
+# Computations
 
 
 def serialize_computation(comp: computation.Computation) -> bytes:
-    """Serializes a computation (its IR and the local computations it calls).
+    """Serializes a computation: `comp.to_bytes()`.
 
     Raises:
       SerializationError: if a local computation's backend has no registered codec.
     """
-    enc = _IREncoder()
-    root = enc.node(comp.to_ir())
-    header = {
-        "types": enc.ctx.types,
-        "name": comp.name,
-        "parameter_names": list(comp.parameter_names),
-        "locals": enc.locals,
-        "ir": root,
-    }
-    return _pack(KIND_COMPUTATION, header, enc.ctx.blobs)
+    return comp.to_bytes()
 
 
 def deserialize_computation(
@@ -887,46 +213,12 @@ def deserialize_computation(
     trusted: bool = False,
     max_bytes: int | None = None,
 ) -> computation.Computation:
-    """Rebuilds a computation written by `serialize_computation`, in any process.
-
-    A computation embeds native programs (the JAX backend's StableHLO), which a damaged
-    or crafted file could use to crash or hijack the process that parses them. So bytes
-    are handed to a native parser here only when they are trusted:
-
-    * `public_key=...`: `data` must be signed (`fedlang.core.signing.sign`) by that
-      key's private half; the signature is checked before anything is parsed.
-    * `trusted=True`: the caller vouches for the bytes (it wrote them itself).
-    * otherwise each embedded program is first checked in a separate process (loaded,
-      compared with the declared types, compiled and run once on zeros); only if that
-      process survives and agrees is it loaded here. This costs a process start.
-
-    In every case each program's argument and result types must match the signature
-    it declares, and its custom calls must be on the backend's allow-list.
+    """Rebuilds a computation written by `serialize_computation`, in any process:
+    `Computation.from_bytes`, which says how untrusted bytes are checked.
 
     Raises:
-      SerializationError: if the bytes are malformed, truncated, from a newer version,
-        unsigned or signed by another key (with `public_key`), name an unknown
-        intrinsic or backend, do not type-check, or embed a program that fails its check.
+      SerializationError: if the bytes are malformed or fail their checks.
     """
-    _check_bytes(data)
-    if public_key is not None:
-        data = signing.verify(data, public_key)
-        trusted = True
-    elif signing.is_signed(data):
-        with _Malformed("a signed computation"):
-            data = bytes(data)[signing.ENVELOPE_SIZE :]
-    with _Malformed("a serialized computation"):
-        header, blobs = _unpack(data, KIND_COMPUTATION)
-        name = _get(header, "name", str, "the header")
-        names = _get(header, "parameter_names", list, "the header")
-        if not all(isinstance(n, str) for n in names):
-            raise malformed("parameter names to be strings", repr(names)[:80])
-        with _Malformed("IR that type-checks"):
-            root = _IRDecoder(header, blobs, trusted, max_bytes).node(header.get("ir"), {})
-        if isinstance(root, ir.Lambda):
-            return computation.IRComputation(root, name, names)
-        if isinstance(root, ir.Local) and isinstance(root.computation, computation.Computation):
-            return root.computation
-        raise malformed(
-            "a Lambda or a local computation at the root of the IR", type(root).__name__
-        )
+    return computation.Computation.from_bytes(
+        data, public_key=public_key, trusted=trusted, max_bytes=max_bytes
+    )

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import numpy as np
 
-from fedlang.core import sparse, types
+from fedlang.core import sparse, type_format, types
 
 
 def _where(path: str) -> str:
@@ -72,7 +73,10 @@ def to_tensor(value: Any, t: types.TensorType, path: str = "") -> np.ndarray:
 
 
 def _mismatch(value: Any, t: types.TensorType, path: str) -> TypeError:
-    return TypeError(f"Expected a value of type {t}{_where(path)}, found {types.describe(value)}.")
+    return TypeError(
+        f"Expected a value of type {type_format.for_message(t)}{_where(path)}, found "
+        f"{types.describe(value)}."
+    )
 
 
 def _as_array(value: Any, t: types.TensorType, path: str) -> np.ndarray:
@@ -157,12 +161,14 @@ def match_fields(
         return [(None, et, v) for (_, et), v in zip(t.elements, value)]
     if not types.is_container(value):
         raise TypeError(
-            f"Expected a struct of type {t}{_where(path)}, found {types.describe(value)}."
+            f"Expected a struct of type {type_format.for_message(t)}{_where(path)}, found "
+            f"{types.describe(value)}."
         )
     items = types.struct_items(value)
     if len(items) != len(t):
         raise TypeError(
-            f"Expected a struct of type {t} ({len(t)} fields){_where(path)}, found {len(items)} fields."
+            f"Expected a struct of {len(t)} fields {list(t.names)}{_where(path)}, found "
+            f"{len(items)} fields {[n for n, _ in items]}; the whole type is {type_format.for_message(t)}."
         )
     named = {n: v for n, v in items if n is not None}
     out: list[tuple[str | None, types.Type, Any]] = []
@@ -170,7 +176,8 @@ def match_fields(
         if n is not None and named:
             if n not in named:
                 raise TypeError(
-                    f"Expected a struct of type {t}{_where(path)}, found fields {list(named)}; missing {n!r}."
+                    f"Expected a field {n!r}{_where(path)}, found fields {list(named)}; the "
+                    f"struct's type is {type_format.for_message(t)}."
                 )
             out.append((n, et, named[n]))
         else:
@@ -334,6 +341,30 @@ def flatten(value: Any, t: types.Type) -> list[Any]:
         return [leaf for v, et in zip(value, t.types) for leaf in flatten(v, et)]
     if isinstance(t, types.SparseTensorType):
         return [value.indices, value.values]
+    return [value]
+
+
+_FLATTENERS: dict[types.Type, Callable[[Any], list[Any]]] = {}
+
+
+def flattener(t: types.Type) -> Callable[[Any], list[Any]]:
+    """`flatten(value, t)` as a function of `value` alone, made once per type (runtimes
+    flatten every batch: the generic walk costs more than a small model's step)."""
+    fn = _FLATTENERS.get(t)
+    if fn is None:
+        if isinstance(t, types.TensorType):
+            fn = _one
+        elif isinstance(t, types.StructType) and all(
+            isinstance(x, types.TensorType) for x in t.types
+        ):
+            fn = list
+        else:
+            fn = functools.partial(flatten, t=t)
+        _FLATTENERS[t] = fn
+    return fn
+
+
+def _one(value: Any) -> list[Any]:
     return [value]
 
 

@@ -15,7 +15,16 @@ from typing import Any, cast
 
 import numpy as np
 
-from fedlang.core import computation, context, ir, local, types
+from fedlang.core import (
+    computation,
+    context,
+    intrinsic_defs,
+    intrinsics,
+    ir,
+    local,
+    type_format,
+    types,
+)
 
 
 class TracingContext:
@@ -52,8 +61,8 @@ class TracingContext:
             if types.contains_federated(at) and not types.contains_federated(fn_type.parameter):
                 hint = " The function is local: apply it to a federated value with federated_map(fn, value)."
             raise TypeError(
-                f"{getattr(comp, 'name', 'computation')} expects an argument of type {fn_type.parameter}, "
-                f"found {at}.{hint}"
+                f"{getattr(comp, 'name', 'computation')} expects an argument of type "
+                f"{type_format.expected_found(fn_type.parameter, at)}.{hint}"
             )
         return self.bind(ir.Call(fn, arg_node))
 
@@ -68,6 +77,16 @@ def current_tracing_context(what: str) -> TracingContext:
             "wrap the code that calls it in one."
         )
     return ctx
+
+
+def call_intrinsic(uri: str, arg: Any) -> Value:
+    """Type-checks `arg` against the rule of the intrinsic `uri` (in `intrinsics.TABLE`)
+    and records the call in the trace being recorded on this thread."""
+    ctx = current_tracing_context(uri)
+    node = to_node(arg)
+    result_type = intrinsics.lookup(uri).type_rule(node.type_signature)
+    fn = ir.Intrinsic(uri, types.FunctionType(node.type_signature, result_type))
+    return ctx.bind(ir.Call(fn, node))
 
 
 _OPS = {
@@ -138,9 +157,9 @@ class Value:
         if isinstance(t, types.StructType):
             return self._ctx.bind(ir.Selection(self._node, key))
         if isinstance(t, types.FederatedType) and isinstance(t.member, types.StructType):
-            from fedlang.core import operators
-
-            return operators.federated_select_field(self, key)
+            # `value.key` on a federated struct: a federated_map of the field selection.
+            selector = ir.Lambda("x", t.member, ir.Selection(ir.Reference("x", t.member), key))
+            return call_intrinsic(intrinsic_defs.FEDERATED_MAP.uri, (NodeRef(selector), self))
         raise AttributeError(f"Cannot select {key!r} from a value of type {t}; it is not a struct.")
 
     def __getattr__(self, name: str) -> Value:

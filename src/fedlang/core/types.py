@@ -68,6 +68,23 @@ class Type(abc.ABC):
     def children(self) -> Iterator[Type]:
         return iter(())
 
+    def formatted_representation(self) -> str:
+        """The type on several lines, one struct field per line (TFF's method of this
+        name); `str(t)` is the one-line form.
+
+        Example:
+          >>> import numpy as np
+          >>> print(to_type({'x': np.float32, 'y': {'z': (np.int32, [2])}})
+          ...       .formatted_representation())
+          <
+            x=float32,
+            y=<
+              z=int32[2]
+            >
+          >
+        """
+        return "\n".join(line.rstrip() for line in _lines(self))
+
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and self._key() == other._key()  # type: ignore[attr-defined]
 
@@ -548,6 +565,13 @@ def to_type(spec: Any) -> Type:
         return StructType(
             [(n, to_type(v)) for n, v in struct_items(spec)], container=container_of(spec)
         )
+    if isinstance(spec, str):
+        raise TypeError(
+            f"Expected a dtype name such as 'float32', found the type string {spec!r}. fedlang "
+            "builds types from Python specs, not from strings: (np.float32, [None, 784]) for "
+            "float32[?,784], SequenceType(np.float32) for sequence<float32> (TFF's float32*), "
+            "{'x': ..., 'y': ...} for <x=...,y=...>, type_at_clients(...) for {...}@CLIENTS."
+        )
     raise TypeError(
         f"Cannot convert {type(spec).__name__} {spec!r:.80} to a fedlang type. Expected a "
         "fedlang Type, a dtype, a (dtype, shape) pair, an array, or a container of these."
@@ -629,3 +653,40 @@ __all__ = [
     "type_at_clients",
     "type_at_server",
 ]
+
+
+# -- TFF's multi-line form (Type.formatted_representation)
+
+
+def _combine(parts: list[list[str]]) -> list[str]:
+    """Joins parts: each part's first line continues the previous part's last line."""
+    lines = [""]
+    for part in parts:
+        lines[-1] += part[0]
+        lines.extend(part[1:])
+    return lines
+
+
+def _lines(t: Type) -> list[str]:
+    if isinstance(t, StructType):
+        if not len(t):
+            return ["<>"]
+        fields: list[list[str]] = []
+        for i, (name, member) in enumerate(t.elements):
+            if i:
+                fields.append([",", ""])
+            member_lines = _lines(member)
+            fields.append(member_lines if name is None else _combine([[f"{name}="], member_lines]))
+        inner = ["  " + line for line in _combine(fields)]
+        return _combine([["<", ""], inner, ["", ">"]])
+    if isinstance(t, FederatedType):
+        member_lines = _lines(t.member)
+        if t.all_equal:
+            return _combine([member_lines, [f"@{t.placement}"]])
+        return _combine([["{"], member_lines, ["}"], [f"@{t.placement}"]])
+    if isinstance(t, FunctionType):
+        parameter = [""] if t.parameter is None else _lines(t.parameter)
+        return _combine([["("], parameter, [" -> "], _lines(t.result), [")"]])
+    if isinstance(t, SequenceType):
+        return _combine([["sequence<"], _lines(t.element), [">"]])
+    return [str(t)]

@@ -11,8 +11,11 @@ version, so the next run on the same machine starts without measuring.
 
 The file is `$FEDLANG_CACHE_DIR/auto-decisions.json` (by default under
 `$XDG_CACHE_HOME/fedlang` or `~/.cache/fedlang`); a damaged or unreadable file is
-ignored and rewritten. Measuring is announced on stderr (when it is a terminal, or
-always with `progress=True`) and logged to the `fedlang.runtime` logger.
+ignored and rewritten. Measuring is logged to the `fedlang.runtime` logger and said:
+to a live progress display if there is one (`fedlang.core.status`: the experiment
+driver's bar shows it in its status column, where a printed line would break the bar),
+else on stderr (with `progress=True` always; by default when stderr is a terminal).
+`progress=False` says nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from typing import Any
+
+from fedlang.core import local, status
 
 logger = logging.getLogger("fedlang.runtime")
 
@@ -63,8 +68,8 @@ class Tuner:
       budget_s: seconds of timed runs per decision (compiling runs come on top).
       cache: a path for the decision file, True for `default_cache_path()`, or False
         to keep decisions in memory only.
-      progress: announce measurements on stderr: True, False, or None (when stderr is
-        a terminal).
+      progress: announce measurements: True, False, or None (on stderr when it is a
+        terminal); a live progress display shows them instead of stderr.
     """
 
     def __init__(self, budget_s: float = 1.0, cache: bool | str = True, progress: bool | None = None):
@@ -132,8 +137,9 @@ class Tuner:
 
     def say(self, message: str) -> None:
         logger.info(message)
-        show = self.progress if self.progress is not None else _stderr_is_terminal()
-        if show:
+        if self.progress is False or status.say(message):
+            return  # not wanted, or a live progress display shows it in place
+        if self.progress or _stderr_is_terminal():
             print(f"fedlang: {message}", file=sys.stderr, flush=True)
 
     def measure(
@@ -197,7 +203,7 @@ def _stderr_is_terminal() -> bool:
         return False
 
 
-def step_text(comp: Any, leaves: list[Any], batch: list[Any]) -> str | None:
+def step_text(comp: local.LocalProgram, leaves: list[Any], batch: list[Any]) -> str | None:
     """The jaxpr of a `LocalProgram`'s step on these argument and batch leaves (None if
     it cannot be had)."""
     if comp.state_type is None:
@@ -211,7 +217,7 @@ def step_text(comp: Any, leaves: list[Any], batch: list[Any]) -> str | None:
         return None
 
 
-def abstract_step_text(comp: Any) -> str | None:
+def abstract_step_text(comp: local.LocalProgram) -> str | None:
     """The jaxpr of a `LocalProgram`'s step on abstract arguments (unknown dimensions
     symbolic), without any client's data; None if it cannot be had."""
     if comp.state_type is None:

@@ -26,10 +26,9 @@ the fold is exact: no padding enters an unmasked step function.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import itertools
 import os
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -163,7 +162,12 @@ class LocalRunner:
         return self._map_per_client(comp, cv, c)
 
     def _vmapped(
-        self, comp: Any, cv: Any, c: int, streams: list[Any] | None = None, rows: int | None = None
+        self,
+        comp: local.LocalProgram,
+        cv: Any,
+        c: int,
+        streams: list[Any] | None = None,
+        rows: int | None = None,
     ) -> Any:
         return vmap_exec.map_vmapped(
             comp,
@@ -186,8 +190,10 @@ class LocalRunner:
             pass
         return int(limit) // 8 if limit else self.memory_budget
 
-    def _map_per_client(self, comp: Any, cv: Any, c: int, streams: list[Any] | None = None) -> Any:
-        param_t = comp.type_signature.parameter
+    def _map_per_client(
+        self, comp: local.LocalProgram, cv: Any, c: int, streams: list[Any] | None = None
+    ) -> Any:
+        param_t, seq_index = local.parameter_type(comp), local.dataset_index(comp)
         result_t = comp.type_signature.result
 
         def client(i: int, device: Any = None) -> list[Any]:
@@ -195,7 +201,7 @@ class LocalRunner:
             leaves = comp.arg_leaves(args)
             if device is not None:
                 leaves = [jax.device_put(x, device) for x in leaves]
-            stream = args[comp.seq_index] if streams is None else streams[i]
+            stream = args[seq_index] if streams is None else streams[i]
             out = self.run_client(comp, leaves, stream)
             if device is not None:  # results on several devices meet on the host
                 out = [np.asarray(x) for x in out]
@@ -234,7 +240,7 @@ class LocalRunner:
                 results[j] = out
         return _gather(results, result_t, "cpu")
 
-    def _choose_width(self, comp: Any, cv: Any, c: int) -> str:
+    def _choose_width(self, comp: local.LocalProgram, cv: Any, c: int) -> str:
         """With 'auto': vectorized groups ('vmap') or one client at a time ('per-client'),
         decided once per computation and device on a probe of a few clients' first few
         batches (never on one-shot streams: those clients would lose the batches read)."""
@@ -245,7 +251,8 @@ class LocalRunner:
         choice = self.tuner.cached(key, None)
         if choice is not None:
             return choice.strategy
-        probe = chunks.take(cv, comp.type_signature.parameter, list(range(PROBE_CLIENTS)))
+        param_t = local.parameter_type(comp)
+        probe = chunks.take(cv, param_t, list(range(PROBE_CLIENTS)))
         full = _streams(comp, probe, PROBE_CLIENTS)
         if not all(getattr(s, "replayable", False) for s in full):
             return "per-client"  # decide on a later chunk whose data can be read twice
@@ -254,7 +261,7 @@ class LocalRunner:
         if units == 0:
             return "per-client"
         first = next(i for i, s in enumerate(streams) if s)
-        leaves = comp.arg_leaves(comp.split_arg(chunks.row(probe, comp.type_signature.parameter, first)))
+        leaves = comp.arg_leaves(comp.split_arg(chunks.row(probe, param_t, first)))
         batch = local.with_mask(structure.flatten(streams[first][0], local.element_type(comp)))
         text = autotune.step_text(comp, leaves, batch)
         if autotune.prior(text, device.platform) is not None:
@@ -266,7 +273,9 @@ class LocalRunner:
             # Vectorizing computes padding (short clients in a group run to its longest):
             # time the probe at the chunk's group width, per padded step, and charge each
             # real batch the padding the chunk's clients would need.
-            lengths = [len(s.batches) for s in _streams(comp, cv, c) if getattr(s, "complete", False)]
+            lengths = [
+                len(s.batches) for s in _streams(comp, cv, c) if getattr(s, "complete", False)
+            ]
             cap = min(self.vmap_width or c, c)
             rows = vmap_exec.pow2(cap)
             padding = vmap_exec.padded_steps(lengths, cap) / sum(lengths) if sum(lengths) else 1.0
@@ -290,7 +299,7 @@ class LocalRunner:
             return None
         return autotune.decision_key(kind, text, batch, self.devices[0])
 
-    def _threads_for(self, comp: Any) -> int:
+    def _threads_for(self, comp: local.LocalProgram) -> int:
         if self.devices[0].platform != "cpu":
             return 1  # an accelerator runs one program at a time anyway
         if self.client_threads is not None:
@@ -319,7 +328,9 @@ class LocalRunner:
             )
         return self._pool
 
-    def pad_batches(self, comp: Any, batches: Iterable[list[Any]]) -> Iterator[list[Any]]:
+    def pad_batches(
+        self, comp: local.LocalProgram, batches: Iterable[list[Any]]
+    ) -> Iterator[list[Any]]:
         """A masked computation's batches (leaves and mask) padded to the largest batch
         size it has seen, so tail batches compile nothing new; others pass unchanged."""
         if not comp.masked:
@@ -339,7 +350,7 @@ class LocalRunner:
         """One client's result leaves for a computation that reduces a dataset."""
         if not comp.uses_reduce:
             return comp.run("epilogue", leaves)
-        flat = flattener(local.element_type(comp))
+        flat = structure.flattener(local.element_type(comp))
         batches: Iterator[Any] = self.pad_batches(comp, (local.with_mask(flat(b)) for b in stream))
         strategy = self.strategy
         if strategy == "auto":
@@ -350,11 +361,15 @@ class LocalRunner:
             return self._fold_scan(comp, leaves, None, batches, finish=True)
         return self._client_loop(comp, leaves, batches)
 
-    def _client_loop(self, comp: Any, leaves: list[Any], batches: Iterator) -> list[Any]:
+    def _client_loop(
+        self, comp: local.LocalProgram, leaves: list[Any], batches: Iterator
+    ) -> list[Any]:
         state = self._fold_loop(comp, leaves, comp.run("prologue", leaves), batches)
         return list(comp.run("epilogue", leaves + list(state)))
 
-    def _choose(self, comp: Any, leaves: list[Any], batches: Iterator) -> tuple[Iterator, str]:
+    def _choose(
+        self, comp: local.LocalProgram, leaves: list[Any], batches: Iterator
+    ) -> tuple[Iterator, str]:
         first = next(batches, None)
         if first is None:
             return iter(()), "loop"
@@ -395,14 +410,16 @@ class LocalRunner:
         return rest, choice.strategy
 
     @staticmethod
-    def _fold_loop(comp: Any, leaves: list[Any], state: list[Any], batches: Iterator) -> list[Any]:
+    def _fold_loop(
+        comp: local.LocalProgram, leaves: list[Any], state: list[Any], batches: Iterator
+    ) -> list[Any]:
         for b in batches:
             state = comp.run("step", leaves + list(state) + b)
         return list(state)
 
     def _fold_scan(
         self,
-        comp: Any,
+        comp: local.LocalProgram,
         leaves: list[Any],
         state: list[Any] | None,
         batches: Iterator,
@@ -416,7 +433,8 @@ class LocalRunner:
         for b in batches:
             shapes = _shapes(b)
             if run and comp.masked and shapes != run_shapes:
-                b = local.pad_batch(b, run[0])  # a smaller (tail) batch joins the run, padded and masked
+                # A smaller (tail) batch joins the run, padded and masked.
+                b = local.pad_batch(b, run[0])
                 shapes = _shapes(b)
             full = len(run) >= MAX_SEGMENT or window_bytes >= self.memory_budget
             if run and (full or shapes != run_shapes):
@@ -434,7 +452,7 @@ class LocalRunner:
 
     @staticmethod
     def _scan_run(
-        comp: Any,
+        comp: local.LocalProgram,
         leaves: list[Any],
         state: list[Any] | None,
         run: list[list[Any]],
@@ -448,6 +466,7 @@ class LocalRunner:
         and the result leaves are returned instead of the state.
         """
         n_args = len(leaves)
+        assert comp.state_type is not None  # (a reduce has a state)
         n_state = len(structure.leaf_types(comp.state_type))
         out: list[Any] = []
         for start in range(0, len(run), MAX_SEGMENT):
@@ -465,12 +484,13 @@ class LocalRunner:
             last = finish and start + n == len(run)
             # State passed between segments is donated: each segment reuses its buffers.
             donate = tuple(range(n_args, n_args + n_state)) if not first and not last else ()
-            prog = comp.program(
-                ("segment", first, last),
-                lambda f=first, e=last, d=donate: jax.jit(
-                    _segment_program(comp, n_args, n_state, f, e), donate_argnums=d
-                ),
-            )
+
+            def build(
+                f: bool = first, e: bool = last, d: tuple[int, ...] = donate
+            ) -> Callable[..., Any]:
+                return jax.jit(_segment_program(comp, n_args, n_state, f, e), donate_argnums=d)
+
+            prog = comp.program(("segment", first, last), build)
             out = list(prog(*leaves, *([] if state is None else state), *stacked, np.int32(n)))
             state = out
             if first and last:
@@ -486,7 +506,7 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def client_threads_for(comp: Any, devices: list) -> int:
+def client_threads_for(comp: local.LocalProgram, devices: list) -> int:
     """How many clients of `comp` the per-client strategies run at once.
 
     On one CPU device with several cores, a step with a convolution runs one client per
@@ -524,7 +544,7 @@ def select_many(fn: local.LocalProgram, server_val: Any, keys: np.ndarray) -> li
     return [structure.unflatten([x[j] for x in outs], result_t) for j in range(len(keys))]
 
 
-def _longest_first(comp: Any, cv: Any, c: int) -> list[int]:
+def _longest_first(comp: local.LocalProgram, cv: Any, c: int) -> list[int]:
     """The chunk's clients by decreasing number of batches when every client's batches
     are staged (their number known), else in their order."""
     lengths = []
@@ -553,10 +573,10 @@ def _shapes(batch: list[Any]) -> list[Any]:
     return [x.shape if hasattr(x, "shape") else np.shape(x) for x in batch]
 
 
-def _streams(comp: Any, cv: Any, c: int) -> list[Any]:
+def _streams(comp: local.LocalProgram, cv: Any, c: int) -> list[Any]:
     """The dataset argument of each client of a chunk value."""
-    param_t = comp.type_signature.parameter
-    return [comp.split_arg(chunks.row(cv, param_t, i))[comp.seq_index] for i in range(c)]
+    param_t, seq_index = local.parameter_type(comp), local.dataset_index(comp)
+    return [comp.split_arg(chunks.row(cv, param_t, i))[seq_index] for i in range(c)]
 
 
 def _gather(outs: list[list[Any]], result_t: types.Type, platform: str) -> Any:
@@ -592,44 +612,17 @@ def _pad_rows(batch: list[Any], n: int, target: int) -> list[Any]:
     return out
 
 
-_FLATTENERS: dict[types.Type, Any] = {}
-
-
-def flattener(t: types.Type) -> Any:
-    """`structure.flatten(value, t)` as a function of `value` alone, made once per type
-    (a batch of tensors is flattened per batch: the generic walk costs more than the
-    step's dispatch for small models)."""
-    fn = _FLATTENERS.get(t)
-    if fn is None:
-        if isinstance(t, types.TensorType):
-            fn = _one
-        elif isinstance(t, types.StructType) and all(
-            isinstance(x, types.TensorType) for x in t.types
-        ):
-            fn = list
-        else:
-            fn = functools.partial(_flatten_as, t)
-        _FLATTENERS[t] = fn
-    return fn
-
-
-def _one(value: Any) -> list[Any]:
-    return [value]
-
-
-def _flatten_as(t: types.Type, value: Any) -> list[Any]:
-    return structure.flatten(value, t)
-
-
 WARM_BYTES = 64 << 20  # the largest zero segment compiled ahead
 
 
-def _warm_lengths(comp: Any, prog: Any, leaves: list[Any], stacked: list[Any], length: int) -> None:
+def _warm_lengths(
+    comp: local.LocalProgram, prog: Any, leaves: list[Any], stacked: list[Any], length: int
+) -> None:
     """The first time a whole client runs in one segment, compiles that program for the
     other length buckets too (on zero segments and a count of 0: nothing is folded), so
     that a client of a length not seen yet compiles nothing in a later round."""
     signature = tuple((x.shape[1:], x.dtype.str) for x in stacked)
-    warmed = comp.program(("warmed-lengths", signature), set)
+    warmed: set[int] = comp.program(("warmed-lengths", signature), set)
     if warmed:
         return
     warmed.add(length)
@@ -644,7 +637,11 @@ def _warm_lengths(comp: Any, prog: Any, leaves: list[Any], stacked: list[Any], l
 
 
 def _segment_program(
-    comp: Any, n_args: int, n_state: int, prologue: bool = False, epilogue: bool = False
+    comp: local.LocalProgram,
+    n_args: int,
+    n_state: int,
+    prologue: bool = False,
+    epilogue: bool = False,
 ) -> Any:
     """A loop of the step over the first `count` of a segment's stacked batches,
     optionally starting with the prologue (no state argument) and ending with the

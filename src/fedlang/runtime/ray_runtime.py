@@ -40,6 +40,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from fedlang.core import client_state, computation
 from fedlang.runtime import ray_wave, simulation
 
 # Tasks a worker has queued at once: one running, one waiting (its arguments in flight).
@@ -195,7 +196,7 @@ class RayRun(simulation.Run):
             spec = ray_wave.WaveSpec(
                 uuid.uuid4().hex,
                 [portable.node(a.input) for a in wave],
-                [ray_wave.aggregation_spec(a) for a in wave],
+                [ray_wave.aggregation_spec(a, portable) for a in wave],
                 # One client at a time per worker: a worker holds one CPU (or one GPU).
                 dataclasses.replace(
                     self.ctx.options, num_clients=None, progress=False, client_threads=1
@@ -208,7 +209,7 @@ class RayRun(simulation.Run):
             return super().compute_wave(wave)
         parts = self.ctx.compute(spec, portable, n)
         accs = [
-            ray_wave.OrderedCollect(s.member) if s.uri is None else a.make()
+            ray_wave.OrderedCollect(s.member) if s.uri is None and s.write is None else a.make()
             for a, s in zip(wave, spec.aggregations)
         ]
         for partials in parts:
@@ -269,7 +270,7 @@ class RayContext(simulation.SimulationContext):
     def make_run(self, n: int | None) -> simulation.Run:
         return RayRun(self, n)
 
-    def invoke(self, comp: Any, arg: Any) -> Any:
+    def invoke(self, comp: computation.Computation, arg: Any) -> Any:
         self.transfers = Transfers()
         try:
             return super().invoke(comp, arg)
@@ -321,7 +322,8 @@ class RayContext(simulation.SimulationContext):
             # serialized all at once); (the task's per-client values, computations).
             start, stop = bounds[i]
             part, more, new = ray_wave.dumps_slices(
-                [list(v[start:stop]) for v in sources.sources], sources.source_types, self.registry
+                [_task_slice(v, start, stop) for v in sources.sources], sources.source_types,
+                self.registry,
             )
             self.transfers = self.transfers.plus(to_workers=new + len(part))
             return part, (self.registry.refs(tokens | more) if more - tokens else fn_refs)
@@ -409,6 +411,14 @@ class RayContext(simulation.SimulationContext):
                     pool.replace(slot, actor)
             return list(ray.get(leaves))
 
+
+
+def _task_slice(values: Any, start: int, stop: int) -> Any:
+    """A task's part of a per-client argument: a list, or a client-state binding's slice
+    (the worker reads and writes those clients' states itself)."""
+    if isinstance(values, client_state.ClientStates):
+        return values.slice(start, stop)
+    return list(values[start:stop])
 
 
 @contextlib.contextmanager

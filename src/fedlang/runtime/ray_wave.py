@@ -19,10 +19,10 @@ import socket
 import sys
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeGuard
 
-from fedlang.core import ir, local, structure, types
-from fedlang.runtime import accumulate, counters, lazy, reference, simulation
+from fedlang.core import client_state, ir, local, structure, types
+from fedlang.runtime import accumulate, bound_state, counters, lazy, reference, simulation
 
 # -- the portable form of a wave --------------------------------------------------------
 #
@@ -34,6 +34,12 @@ from fedlang.runtime import accumulate, counters, lazy, reference, simulation
 @dataclasses.dataclass
 class SourceSpec:
     index: int  # into the task's slices
+    member: types.Type
+
+
+@dataclasses.dataclass
+class StateSourceSpec:
+    index: int  # into the task's slices: the task's slice of a client-state binding
     member: types.Type
 
 
@@ -69,6 +75,7 @@ class AggSpec:
     parameter_type: types.Type | None
     server_args: tuple
     member: types.Type
+    write: int | None = None  # the task's client-state binding (a slice index) to write to
 
 
 @dataclasses.dataclass
@@ -102,6 +109,8 @@ class Portable:
     def _node(self, v: lazy.ClientsValue) -> Any:
         if isinstance(v, lazy.Source):
             return SourceSpec(self._source(v.values, v.member), v.member)
+        if isinstance(v, bound_state.StateSource):
+            return StateSourceSpec(self._source(v.binding, v.member), v.member)
         if isinstance(v, lazy.FromThunk):
             return SourceSpec(self._source(v.thunk.get(), v.member), v.member)
         if isinstance(v, lazy.Replicated):
@@ -139,7 +148,9 @@ class Portable:
         return v
 
 
-def aggregation_spec(a: simulation.AggThunk) -> AggSpec:
+def aggregation_spec(a: simulation.AggThunk, portable: Portable) -> AggSpec:
+    if a.writes is not None:  # new client states: each task writes its own clients'
+        return AggSpec(None, None, (), a.input.member, portable._source(a.writes, a.input.member))
     if a.spec is None:
         return AggSpec(None, None, (), a.input.member)
     d, t, server_args = a.spec
@@ -157,16 +168,17 @@ class Registry:
     """
 
     def __init__(self) -> None:
-        self.by_id: dict[int, tuple[Any, str, Any, int]] = {}  # id -> (fn, token, ref, bytes)
+        # id -> (fn, token, ref, bytes)
+        self.by_id: dict[int, tuple[local.LocalComputation, str, Any, int]] = {}
         self._is_local: dict[type, bool] = {}
 
-    def is_local(self, obj: Any) -> bool:
+    def is_local(self, obj: Any) -> TypeGuard[local.LocalComputation]:
         t = type(obj)
         if t not in self._is_local:
             self._is_local[t] = local.is_local(obj)
         return self._is_local[t]
 
-    def token(self, fn: Any) -> tuple[str, int]:
+    def token(self, fn: local.LocalComputation) -> tuple[str, int]:
         """(token, bytes newly sent) of a local computation."""
         entry = self.by_id.get(id(fn))
         if entry is not None:
@@ -185,7 +197,7 @@ class Registry:
 
 
 def dumps_slices(
-    slices: list[list[Any]], member_types: list[types.Type], registry: Registry
+    slices: list[Any], member_types: list[types.Type], registry: Registry
 ) -> tuple[bytes, set[str], int]:
     """`dumps` of a task's per-client values. Client datasets are sent as recipes (a
     `Dataset`, a list); one that cannot be sent (a one-shot generator) is read here and
@@ -194,7 +206,11 @@ def dumps_slices(
         return dumps(slices, registry)
     except (TypeError, AttributeError, pickle.PicklingError):
         pass
-    read = [[_read_streams(v, t) for v in values] for values, t in zip(slices, member_types)]
+    read = [
+        values if isinstance(values, client_state.ClientStates)  # workers read those themselves
+        else [_read_streams(v, t) for v in values]
+        for values, t in zip(slices, member_types)
+    ]
     return dumps(read, registry)
 
 
@@ -308,7 +324,7 @@ class Worker:
             run = simulation.Run(self._context(spec.options), n)
             memo: dict[int, Any] = {}
             inputs = [_rebuild(node, run, values, memo) for node in spec.inputs]
-            accs = [make_accumulator(a, run) for a in spec.aggregations]
+            accs = [make_accumulator(a, run, values) for a in spec.aggregations]
             wave = [simulation.AggThunk(run, x, None) for x in inputs]
             run._pass(wave, accs, n)
             partials = [acc.partial() for acc in accs]
@@ -349,7 +365,13 @@ class OrderedCollect(accumulate.Collect):
         self.values.extend(partial)
 
 
-def make_accumulator(a: AggSpec, run: simulation.Run) -> accumulate.Accumulator:
+def make_accumulator(
+    a: AggSpec, run: simulation.Run, values: list[Any] | None = None
+) -> accumulate.Accumulator:
+    """The accumulator of an aggregation on a worker (`values`: the task's slices; None
+    when merging partials)."""
+    if a.write is not None:
+        return bound_state.StateWrite(None if values is None else values[a.write], a.member)
     if a.uri is None:
         return OrderedCollect(a.member)
     from fedlang.core import intrinsics
@@ -359,13 +381,15 @@ def make_accumulator(a: AggSpec, run: simulation.Run) -> accumulate.Accumulator:
     return accumulate.AGGREGATIONS[a.uri].make(d, a.parameter_type, a.server_args, run.call_now)
 
 
-def _rebuild(spec: Any, run: simulation.Run, values: list[list[Any]], memo: dict[int, Any]) -> Any:
+def _rebuild(spec: Any, run: simulation.Run, values: list[Any], memo: dict[int, Any]) -> Any:
     key = id(spec)
     if key in memo:
         return memo[key]
     out: lazy.ClientsValue
     if isinstance(spec, SourceSpec):
         out = lazy.Source(values[spec.index], spec.member)
+    elif isinstance(spec, StateSourceSpec):
+        out = bound_state.StateSource(values[spec.index], spec.member)
     elif isinstance(spec, RepSpec):
         out = lazy.Replicated(spec.value, spec.member)
     elif isinstance(spec, MapSpec):

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sized
 from typing import Any, cast
 
-from fedlang.core import computation, intrinsics, ir, local, structure, types
+from fedlang.core import client_state, computation, intrinsics, ir, local, structure, types
 
 
 @dataclasses.dataclass
@@ -103,6 +103,9 @@ def count_clients(value: Any, t: types.Type | None, path: str, found: dict[str, 
         return
     if isinstance(t, types.FederatedType):
         if t.placement is types.CLIENTS and not t.all_equal:
+            if isinstance(value, client_state.ClientStates):
+                found[path or "the argument"] = len(value)
+                return
             if (
                 isinstance(value, str | bytes | Mapping)
                 or not isinstance(value, Iterable)
@@ -141,6 +144,10 @@ def to_internal(value: Any, t: types.Type | None, n: int | None, path: str = "")
         return None
     if isinstance(t, types.FederatedType):
         if t.placement is types.CLIENTS and not t.all_equal:
+            if isinstance(value, client_state.ClientStates):
+                # A binding to client states: the runtime reads it where it reads client data.
+                client_state.check_binding(value, t, path)
+                return value
             values = list(value)
             return [
                 structure.to_internal(v, t.member, f"{path}[client {i}]")
@@ -164,7 +171,7 @@ def to_internal(value: Any, t: types.Type | None, n: int | None, path: str = "")
                 f"Expected a computation of type {t} for {_where(path)}, found {found}."
             )
         node = value.to_ir()
-        return Closure(node, {}) if isinstance(node, ir.Lambda) else node.computation  # type: ignore[attr-defined]
+        return Closure(node, {}) if isinstance(node, ir.Lambda) else node.computation
     if isinstance(t, types.StructType) and (
         types.contains_federated(t) or any(isinstance(x, types.FunctionType) for x in t)
     ):
@@ -190,7 +197,7 @@ def to_python(value: Any, t: types.Type) -> Any:
     return structure.to_python(value, t)
 
 
-def check_runtime_supports(ctx: Any, comp: Any) -> None:
+def check_runtime_supports(ctx: Any, comp: computation.Computation) -> None:
     """Refuses, before anything runs, a computation using an intrinsic `ctx` cannot run.
 
     A context that cannot run some intrinsics sets `refuse(definition, fn_type) -> reason
@@ -215,7 +222,11 @@ class ReferenceContext:
     def __init__(self, num_clients: int | None = None):
         self.num_clients = num_clients
 
-    def invoke(self, comp: Any, arg: Any) -> Any:
+    def invoke(self, comp: computation.Computation, arg: Any) -> Any:
+        # Client-state bindings are read whole, and written back and committed whole.
+        return client_state.invoke_plainly(self._invoke, comp, arg)
+
+    def _invoke(self, comp: computation.Computation, arg: Any) -> Any:
         check_runtime_supports(self, comp)
         t = comp.type_signature
         n = infer_num_clients(arg, t.parameter, self.num_clients)

@@ -22,9 +22,18 @@ from typing import Any, cast
 
 import numpy as np
 
-from fedlang.core import computation, intrinsics, ir, local, structure, types
+from fedlang.core import client_state, computation, intrinsics, ir, local, structure, types
 from fedlang.core import intrinsic_defs as defs
-from fedlang.runtime import accumulate, autotune, chunks, counters, lazy, local_exec, reference
+from fedlang.runtime import (
+    accumulate,
+    autotune,
+    bound_state,
+    chunks,
+    counters,
+    lazy,
+    local_exec,
+    reference,
+)
 
 CLIENTS = types.CLIENTS
 
@@ -49,8 +58,9 @@ class Options:
         first, compiling runs come on top; they run on a few clients and batches).
       decision_cache: where 'auto' keeps its decisions across runs: True for the
         default file (`autotune.default_cache_path()`), a path, or False (memory only).
-      progress: say on stderr when 'auto' measures: True, False, or None (when stderr
-        is a terminal). It is also logged to the `fedlang.runtime` logger.
+      progress: say when 'auto' measures: True, False, or None (when stderr is a
+        terminal). A live progress display (`run_training`'s bar) shows it in place of
+        a line on stderr; it is also logged to the `fedlang.runtime` logger.
       client_threads: clients the per-client strategies run at once on one CPU device;
         None: one per core for steps with a convolution (XLA:CPU runs those on one
         thread), else 1 (`local_exec.client_threads_for`). Results do not depend on it.
@@ -118,6 +128,10 @@ class RunStats:
 
 class AggThunk(lazy.Thunk):
     """An aggregation of a CLIENTS value, computed in a wave with its peers."""
+
+    # The client-state binding this "aggregation" writes its input to (a
+    # `bound_state.StateWrite`), or None.
+    writes: client_state.ClientStates | None = None
 
     def __init__(
         self,
@@ -557,10 +571,14 @@ class SimulationContext:
         run = self.make_run(n)
         internal = _as_lazy(internal, t.parameter)
         node = comp.to_ir()
-        fn = run.eval(node, {}) if isinstance(node, ir.Lambda) else node.computation  # type: ignore[attr-defined]
-        result = run.call(fn, internal)
-        result = run.collect(result, t.result)
-        out = reference.to_python(_force_collected_deep(result), t.result)
+        fn = run.eval(node, {}) if isinstance(node, ir.Lambda) else node.computation
+        bound = client_state.bound_states(comp, arg)
+        if bound is None:
+            result = run.call(fn, internal)
+            result = run.collect(result, t.result)
+            out = reference.to_python(_force_collected_deep(result), t.result)
+        else:
+            out = _invoke_writing(run, fn, internal, t, *bound)
         spent = counters.snapshot().minus(before)
         self.last_run = RunStats(  # not the run: it holds the data
             waves=run.waves,
@@ -570,6 +588,37 @@ class SimulationContext:
             device_to_host=spent.device_to_host,
         )
         return out
+
+
+def _invoke_writing(
+    run: Run,
+    fn: Any,
+    internal: Any,
+    t: types.FunctionType,
+    spec: client_state.ClientStateSpec,
+    binding: client_state.ClientStates,
+) -> Any:
+    """Runs a computation whose new client states go to `binding`: they are written
+    chunk by chunk in the waves (never collected), and committed if all succeeds."""
+    result_t = cast(types.StructType, t.result)
+    binding.begin()
+    try:
+        result = run.call(fn, internal)
+        result = list(result.get() if isinstance(result, lazy.Thunk) else result)
+        write = AggThunk(
+            run, result[spec.result], lambda: bound_state.StateWrite(binding, spec.state_type)
+        )
+        write.writes = binding
+        result[spec.result] = write
+        forced = list(_force_collected_deep(run.collect(tuple(result), result_t)))
+        bound_state.check_written(forced[spec.result], binding)
+        forced[spec.result] = []
+        binding.commit()
+    except BaseException:
+        binding.abort()
+        raise
+    out = reference.to_python(tuple(forced), result_t)
+    return client_state.replace_result(out, result_t, spec.result, binding)
 
 
 def _force_collected_deep(value: Any) -> Any:
@@ -588,6 +637,8 @@ def _as_lazy(value: Any, t: types.Type | None) -> Any:
     if isinstance(t, types.FederatedType) and t.placement is CLIENTS:
         if t.all_equal:
             return lazy.Replicated(value[0] if value else None, t.member)
+        if isinstance(value, client_state.ClientStates):
+            return bound_state.as_source(value, t)
         return lazy.Source(value, t.member)
     if isinstance(t, types.StructType) and types.contains_federated(t):
         return tuple(_as_lazy(v, et) for v, et in zip(value, t.types))

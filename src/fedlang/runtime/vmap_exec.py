@@ -35,7 +35,7 @@ from fedlang.core import local, structure
 from fedlang.runtime import chunks, counters
 
 
-def _arg_leaves_with_axes(comp: Any, cv: Any) -> tuple[list[Any], list[int | None]]:
+def _arg_leaves_with_axes(comp: local.LocalProgram, cv: Any) -> tuple[list[Any], list[int | None]]:
     """Flat non-dataset argument leaves of a chunk, with vmap axes (None: shared)."""
     if len(comp.param_types) == 1:
         parts = [cv]
@@ -54,29 +54,25 @@ def _arg_leaves_with_axes(comp: Any, cv: Any) -> tuple[list[Any], list[int | Non
 
 
 def _client_batches(
-    comp: Any,
+    comp: local.LocalProgram,
     cv: Any,
     c: int,
     pad: Callable[[Iterable[list[Any]]], Iterator[list[Any]]],
     streams: list[Any] | None,
 ) -> list[list[list[Any]]]:
-    from fedlang.runtime import local_exec  # (it imports this module)
-
-    param_t = comp.type_signature.parameter
-    flat = local_exec.flattener(local.element_type(comp))
+    param_t, seq_index = local.parameter_type(comp), local.dataset_index(comp)
+    flat = structure.flattener(local.element_type(comp))
     out = []
     for i in range(c):
         stream = (
-            comp.split_arg(chunks.row(cv, param_t, i))[comp.seq_index]
-            if streams is None
-            else streams[i]
+            comp.split_arg(chunks.row(cv, param_t, i))[seq_index] if streams is None else streams[i]
         )
         out.append(list(pad(local.with_mask(flat(b)) for b in stream)))
     return out
 
 
 def _split_body(
-    comp: Any, batches: list[list[Any]], pad_to: Any
+    comp: local.LocalProgram, batches: list[list[Any]], pad_to: Any
 ) -> tuple[list[list[Any]], list[list[Any]]]:
     """The leading run of equal-shape batches (tails padded when masked), and the rest."""
     if not batches:
@@ -115,7 +111,7 @@ def padded_steps(lengths: list[int], width: int) -> int:
 
 
 def map_vmapped(
-    comp: Any,
+    comp: local.LocalProgram,
     cv: Any,
     c: int,
     width: int,
@@ -142,9 +138,7 @@ def map_vmapped(
     # rows (a power of two, padded with empty rows) and a power-of-two number of batches
     # of at least MIN_LENGTH: a run compiles one program per length bucket.
     order = sorted(range(c), key=lambda i: (_signature(bodies[i]), len(bodies[i])))
-    step_bytes = max(
-        (sum(np.asarray(x).nbytes for x in b[0]) for b in bodies if b), default=0
-    )
+    step_bytes = max((sum(np.asarray(x).nbytes for x in b[0]) for b in bodies if b), default=0)
     longest = max((len(b) for b in bodies), default=0)
     fit = max(1, group_bytes // max(1, padded_length(longest) * step_bytes))
     cap = min(width, c, fit)
@@ -190,7 +184,7 @@ def _signature(body: list[list[Any]]) -> tuple:
 
 
 def _run_group(
-    comp: Any,
+    comp: local.LocalProgram,
     arg_leaves: list[Any],
     arg_axes: list[int | None],
     shared: list[Any],
@@ -243,7 +237,7 @@ def _run_group(
 
 
 def _group_program(
-    comp: Any, arg_axes: list[int | None], n_args: int, n_leaves: int, fused: bool
+    comp: local.LocalProgram, arg_axes: list[int | None], n_args: int, n_leaves: int, fused: bool
 ) -> Any:
     prologue, step, epilogue = (comp.tuned_part(p) for p in ("prologue", "step", "epilogue"))
 

@@ -13,7 +13,7 @@ import pytest
 
 import fedlang as fl
 from fedlang.backends.jax import export
-from fedlang.core import serialization
+from fedlang.core import serialization, wire
 
 
 def _round_trip(comp):
@@ -167,9 +167,9 @@ def test_corrupted_program_bytes_raise_a_serialization_error():
     def inc(x):
         return x + 1
 
-    header, blobs = serialization._unpack(inc.to_bytes(), serialization.KIND_COMPUTATION)
+    header, blobs = wire.unpack(inc.to_bytes(), wire.KIND_COMPUTATION)
     blobs = [b"\x00" * 64 for _ in blobs]
-    data = serialization._pack(serialization.KIND_COMPUTATION, header, blobs)
+    data = wire.pack(wire.KIND_COMPUTATION, header, blobs)
     # Untrusted (the default): the checking process refuses them; this process never parses them.
     with pytest.raises(serialization.SerializationError, match="checking process refused"):
         fl.Computation.from_bytes(data)
@@ -183,9 +183,9 @@ def test_missing_program_is_rejected():
     def inc(x):
         return x + 1
 
-    header, blobs = serialization._unpack(inc.to_bytes(), serialization.KIND_COMPUTATION)
+    header, blobs = wire.unpack(inc.to_bytes(), wire.KIND_COMPUTATION)
     header["locals"][0]["meta"]["programs"] = {"step": 0}
-    data = serialization._pack(serialization.KIND_COMPUTATION, header, blobs)
+    data = wire.pack(wire.KIND_COMPUTATION, header, blobs)
     with pytest.raises(serialization.SerializationError, match=r"the programs \['fn'\]"):
         fl.Computation.from_bytes(data)
 

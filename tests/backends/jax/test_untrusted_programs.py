@@ -14,7 +14,7 @@ import pytest
 
 import fedlang as fl
 from fedlang.backends.jax import verify
-from fedlang.core import serialization, signing
+from fedlang.core import serialization, signing, wire
 
 
 @fl.jax_computation(np.float32)
@@ -29,15 +29,15 @@ def frac_at_server(x):
 
 def _with_program(comp, program: bytes) -> bytes:
     """`comp`'s bytes with its only embedded program replaced (CRC made valid again)."""
-    header, blobs = serialization._unpack(comp.to_bytes(), serialization.KIND_COMPUTATION)
+    header, blobs = wire.unpack(comp.to_bytes(), wire.KIND_COMPUTATION)
     (local,) = header["locals"]
     (index,) = local["meta"]["programs"].values()
     blobs[index] = program
-    return serialization._pack(serialization.KIND_COMPUTATION, header, blobs)
+    return wire.pack(wire.KIND_COMPUTATION, header, blobs)
 
 
 def _program_of(comp) -> bytes:
-    header, blobs = serialization._unpack(comp.to_bytes(), serialization.KIND_COMPUTATION)
+    header, blobs = wire.unpack(comp.to_bytes(), wire.KIND_COMPUTATION)
     (local,) = header["locals"]
     (index,) = local["meta"]["programs"].values()
     return blobs[index]

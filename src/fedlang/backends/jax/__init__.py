@@ -1,7 +1,7 @@
 """The JAX backend: local computations written in JAX (`jax_computation`).
 
 Importing it registers what JAX needs to know about fedlang values (`SparseTensor` as a
-pytree) and the "jax" codec of `fedlang.core.serialization` (exported StableHLO).
+pytree) and the "jax" codec of `fedlang.core.wire` (exported StableHLO).
 Runtimes use these computations only through the local-program contract of
 `fedlang.core.local`.
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,8 @@ import numpy as np
 
 from fedlang.backends.jax import rewrite, strings
 from fedlang.core import computation, ir, local, structure, tracing, types
+
+_T = TypeVar("_T")
 
 
 class _Captured(Exception):
@@ -230,7 +232,7 @@ class JaxLocal:
             self.__dict__["_arg_leaf_types"] = cached
         return cached
 
-    def program(self, key: Hashable, build: Callable[[], Callable]) -> Callable:
+    def program(self, key: Hashable, build: Callable[[], _T]) -> _T:
         cache = self.__dict__.setdefault("_programs", {})
         prog = cache.get(key)
         if prog is None:
@@ -544,7 +546,7 @@ class JaxComputation(JaxLocal, computation.Computation):
             raise ValueError(f"Expected a program name in {local.PARTS}, found {name!r}.")
         return getattr(self._programs_of_fn, f"{name}_flat")
 
-    def to_ir(self) -> ir.Node:
+    def to_ir(self) -> ir.Local:
         return ir.Local(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,6 +1,6 @@
 """Serializing local JAX computations as exported StableHLO (`jax.export`).
 
-Importing this module registers the "jax" codec with `fedlang.core.serialization`, so
+Importing this module registers the "jax" codec with `fedlang.core.wire`, so
 `computation.to_bytes()` can store the `jax_computation`s a federated computation
 calls, and `Computation.from_bytes` can run them in a process that never imports the
 Python code that defined them.
@@ -28,7 +28,7 @@ import jax
 
 from fedlang.backends.jax import computation as jax_backend
 from fedlang.backends.jax import verify
-from fedlang.core import computation, ir, serialization, types
+from fedlang.core import computation, ir, types, wire
 
 PLATFORMS = ("cpu", "cuda")
 
@@ -113,14 +113,14 @@ class ExportedJaxComputation(jax_backend.JaxLocal, computation.Computation):
                 f"dataset element another); found arguments that disagree. JAX said: {e}"
             ) from None
 
-    def to_ir(self) -> ir.Node:
+    def to_ir(self) -> ir.Local:
         return ir.Local(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return computation.Computation.__call__(self, *args, **kwargs)
 
 
-def _encode(comp: Any, ctx: serialization.EncodeContext) -> dict[str, Any]:
+def _encode(comp: Any, ctx: wire.EncodeContext) -> dict[str, Any]:
     if isinstance(comp, ExportedJaxComputation):
         programs = comp.programs
     elif isinstance(comp, jax_backend.JaxComputation):
@@ -140,8 +140,8 @@ def _encode(comp: Any, ctx: serialization.EncodeContext) -> dict[str, Any]:
     }
 
 
-def _decode(meta: dict[str, Any], ctx: serialization.DecodeContext) -> ExportedJaxComputation:
-    fail = serialization.malformed
+def _decode(meta: dict[str, Any], ctx: wire.DecodeContext) -> ExportedJaxComputation:
+    fail = wire.malformed
     name = meta.get("name")
     names = meta.get("parameter_names")
     if not isinstance(name, str) or not (
@@ -155,7 +155,7 @@ def _decode(meta: dict[str, Any], ctx: serialization.DecodeContext) -> ExportedJ
         raise fail(f"a function type taking {expected_param} for jax computation {name}", signature)
     seq_index, uses_reduce = meta.get("seq_index"), meta.get("uses_reduce")
     if seq_index is not None:
-        seq_index = serialization.check_int(seq_index, "the dataset parameter index", 0, len(names))
+        seq_index = wire.check_int(seq_index, "the dataset parameter index", 0, len(names))
         if not isinstance(param_types[seq_index], types.SequenceType):
             raise fail(f"a sequence type at parameter {seq_index}", param_types[seq_index])
     if not isinstance(uses_reduce, bool):
@@ -204,4 +204,4 @@ def _decode(meta: dict[str, Any], ctx: serialization.DecodeContext) -> ExportedJ
     )
 
 
-serialization.register_local_codec("jax", _encode, _decode)
+wire.register_local_codec("jax", _encode, _decode)
