@@ -100,3 +100,14 @@ def test_subset_and_repr():
 def test_no_clients_has_no_spec():
     with pytest.raises(ValueError, match="no clients"):
         _ = ClientData([], lambda c: None).element_spec
+
+
+def test_tffs_spelling_is_answered_with_fedlangs():
+    cd = _cd()
+    with pytest.raises(AttributeError, match=r"'create_tf_dataset_for_client' \(TFF's spelling\); "
+                                             r"fedlang's is create_dataset_for_client\(client_id\)"):
+        cd.create_tf_dataset_for_client("a")
+    with pytest.raises(AttributeError, match="create_dataset_from_all_clients"):
+        cd.create_tf_dataset_from_all_clients()
+    with pytest.raises(AttributeError, match=r"^'ClientData' object has no attribute 'nothing'$"):
+        cd.nothing  # noqa: B018

@@ -218,6 +218,28 @@ def test_flat_map_concatenates_the_datasets_fn_returns():
         list(ds.flat_map(lambda e: [e]))
 
 
+def test_map_after_batch_keeps_the_batch_dimension_unknown():
+    # The spec is inferred from the first batch (5 rows), but the last has 2: a fixed [5]
+    # would make a computation typed from the spec refuse the client's own data.
+    ds = Dataset.from_tensor_slices({"x": np.ones((12, 3), np.float32), "y": np.arange(12, dtype=np.int32)})
+    pairs = ds.batch(5).map(lambda e: (e["x"], e["y"], e["x"].sum(0)))
+    assert str(pairs.element_spec) == "<float32[?,3],int32[?],float32[3]>"
+    assert [len(b[1]) for b in pairs] == [5, 5, 2]
+    assert str(ds.batch(5, drop_remainder=True).map(lambda e: (e["x"], e["y"])).element_spec) == (
+        "<float32[5,3],int32[5]>")
+    assert str(ds.batch(5).shuffle(3, seed=0).map(lambda e: e["y"]).element_spec) == "int32[?]"
+
+    import jax.numpy as jnp
+
+    import fedlang as fl
+
+    @fl.jax_computation(types.SequenceType(pairs.element_spec))
+    def count(data):
+        return data.reduce(jnp.int32(0), lambda n, batch: n + batch[1].shape[0])
+
+    assert int(count(pairs)) == 12
+
+
 def test_shakespeare_preprocessing_as_tff_writes_it():
     # TFF's tutorial: map(to_ids).unbatch().batch(SEQ_LENGTH + 1, drop_remainder=True).map(split_input_target)
     snippets = Dataset.from_tensor_slices({"snippets": ["To be, or not", "to be"]})

@@ -7,6 +7,8 @@ examples/fedavg_from_scratch.py), so these tests do not depend on fedlang.learni
 import collections
 import doctest
 import json
+import os
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ import pytest
 
 import fedlang as fl
 import fedlang.simulation as sim
+from fedlang.core import status
 
 BATCH_SPEC = {"x": (np.float32, [16, 64]), "y": (np.int32, [16])}
 MODEL_SPEC = {"kernel": (np.float32, [64, 10]), "bias": (np.float32, [10])}
@@ -160,6 +163,57 @@ def test_crash_mid_run_then_resume_is_exact_and_files_have_each_round_once(fedav
     assert rounds == [1, 2, 3, 4, 5]
     csv_rounds = [line.split(",")[0] for line in (out / "m.csv").read_text().splitlines()[1:]]
     assert csv_rounds == ["1", "2", "3", "4", "5"]
+
+
+def _ctrl_c_in_round(fedavg, monkeypatch, round_num, times=1):
+    """Makes Ctrl-C (SIGINT to this process) arrive `times` times while round `round_num`
+    runs, as a user's would."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own
+    real_next, calls = fedavg.next, [0]
+
+    def next_with_ctrl_c(state, data):
+        calls[0] += 1
+        if calls[0] == round_num:
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+        return real_next(state, data)
+
+    monkeypatch.setattr(fedavg, "next", next_with_ctrl_c)
+
+
+def test_ctrl_c_stops_after_the_round_checkpoints_it_and_resumes_exactly(
+        fedavg, data, tmp_path, monkeypatch):
+    uninterrupted = _run(fedavg, data, 5)
+    _ctrl_c_in_round(fedavg, monkeypatch, 2)
+    with pytest.raises(sim.TrainingInterrupted) as stopped:
+        _run(fedavg, data, 5, checkpoint_dir=tmp_path, checkpoint_every=5)
+    monkeypatch.undo()
+    # round 2 finished and was checkpointed although checkpoint_every is 5
+    assert stopped.value.result.round_num == 2 and stopped.value.rounds == 5
+    assert stopped.value.checkpoint_round == 2 and stopped.value.result.checkpoint is not None
+    assert [h["round"] for h in stopped.value.result.history] == [1, 2]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    resumed = _run(fedavg, data, 5, checkpoint_dir=tmp_path)
+    assert resumed.resumed_from == 2
+    _assert_equal_states(resumed.state, uninterrupted.state)
+
+
+def test_ctrl_c_twice_stops_at_once_keeping_the_rounds_done(fedavg, data, tmp_path, monkeypatch):
+    _ctrl_c_in_round(fedavg, monkeypatch, 2, times=2)
+    with pytest.raises(sim.TrainingInterrupted) as stopped:
+        _run(fedavg, data, 5, checkpoint_dir=tmp_path)
+    assert isinstance(stopped.value.__cause__, KeyboardInterrupt)
+    assert stopped.value.result.round_num == 1 and stopped.value.checkpoint_round == 1
+
+
+def test_ctrl_c_during_set_up_stops_before_round_1(fedavg, data, tmp_path):
+    with status.defer_interrupts() as interrupts:
+        os.kill(os.getpid(), signal.SIGINT)  # while the caller loads data, say
+        assert interrupts.requested()
+        with pytest.raises(sim.TrainingInterrupted) as stopped:
+            _run(fedavg, data, 5, checkpoint_dir=tmp_path)
+    assert stopped.value.result.round_num == 0 and stopped.value.checkpoint_round is None
+    assert sim.checkpoint.latest(tmp_path) is None
 
 
 def test_interrupted_checkpoint_write_keeps_the_previous_one(fedavg, data, tmp_path, monkeypatch):

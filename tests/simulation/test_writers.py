@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedlang.simulation import writers
+from fedlang.simulation import metrics, writers
 
 
 def _record(r, evaluated=False):
@@ -20,11 +20,11 @@ def _record(r, evaluated=False):
 
 
 def test_to_python_and_flatten():
-    flat = writers.flatten_metrics(_record(2, evaluated=True))
+    flat = metrics.flatten_metrics(_record(2, evaluated=True))
     assert flat == {"train/client_work/train/loss": 0.5, "train/client_work/train/accuracy": 0.5,
                     "hist": [0, 1, 2], "round_time_s": 0.25, "eval/accuracy": 0.75}
-    assert "hist" not in writers.scalars(flat)
-    assert writers.to_python({"b": np.bool_(True), "i": np.int64(3), "t": (1, 2)}) == {
+    assert "hist" not in metrics.scalars(flat)
+    assert metrics.to_python({"b": np.bool_(True), "i": np.int64(3), "t": (1, 2)}) == {
         "b": True, "i": 3, "t": [1, 2]}
 
 
@@ -126,5 +126,5 @@ def test_default_writers_write_every_file(tmp_path):
 
 
 def test_docstring_example():
-    result = doctest.testmod(writers)
+    result = doctest.testmod(metrics)
     assert result.attempted > 0 and result.failed == 0

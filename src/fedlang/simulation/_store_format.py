@@ -43,6 +43,8 @@ VERSION = 2
 VERSIONS = (1, 2)
 CHECKSUM = "crc32"
 STRUCTURE_KEY = b"fedlang.structure"
+DATA_FILE = "data.arrow"  # the rows (Arrow IPC)
+INDEX_FILE = "index.json"  # the index
 # What a leaf of the index may say (and what the writer can store).
 _DTYPES = frozenset(["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                      "float16", "float32", "float64"])

@@ -18,6 +18,12 @@ renamed over the final name with `os.replace`, so a run interrupted mid-write le
 the previous checkpoint intact and never a partial file under a checkpoint name.
 Older checkpoints are deleted only after the new one is complete.
 
+A run whose clients keep state (`fedlang.simulation.ClientStateStore`) records the
+store's committed version in the driver state (`client_state_version`): the client
+states are checkpointed with the run by the store keeping that version, and resuming
+rolls the store back to it (`run_training` does both; `read_header` reads the
+versions of older checkpoints without their states).
+
 Leaves are matched to the live state by *path* (`'model/kernel'`), so a namedtuple
 state restores into a dict state with the same fields and vice versa; dtypes and
 shapes must agree exactly. A checkpoint from another configuration is refused with
@@ -312,6 +318,53 @@ def _structure_diff(saved: list[dict[str, Any]], live: list[dict[str, Any]]) -> 
     return sorted(out)
 
 
+def _corrupt(path: pathlib.Path, what: str) -> CheckpointError:
+    fix = f"Delete {path} to resume from the previous checkpoint, or start a new run."
+    return CheckpointError(f"Expected a fedlang checkpoint at {path}, found {what}. {fix}")
+
+
+def _header(path: pathlib.Path, data: bytes) -> tuple[dict[str, Any], int]:
+    """The checked header of a checkpoint's bytes (`data` may stop after it), and where
+    its value starts."""
+    if data[: len(MAGIC)] != MAGIC:
+        raise _corrupt(path, f"a file starting with {data[:8]!r}")
+    pos = len(MAGIC)
+    if len(data) < pos + 4:
+        raise _corrupt(path, "a truncated file")
+    (n,) = _U32.unpack_from(data, pos)
+    head = data[pos + 4 : pos + 4 + n]
+    if len(head) != n or len(data) < pos + 8 + n:
+        raise _corrupt(path, "a truncated file")
+    (crc,) = _U32.unpack_from(data, pos + 4 + n)
+    if zlib.crc32(head) != crc:
+        raise _corrupt(path, "a header that fails its checksum")
+    try:
+        header = json.loads(head)
+    except ValueError as e:
+        raise _corrupt(path, f"unreadable contents ({e})") from e
+    if not isinstance(header, dict):
+        raise _corrupt(path, "a header that is not a JSON object")
+    return header, pos + 8 + n
+
+
+def read_header(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's header (round_num, fingerprint, config, structure, driver_state)
+    without reading its state: what a driver needs to know about older checkpoints.
+
+    Raises:
+      FileNotFoundError: if the file does not exist.
+      CheckpointError: if its header is truncated or corrupt.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Expected a checkpoint file at {path}, found none.")
+    with open(path, "rb") as f:
+        prefix = f.read(len(MAGIC) + 4)
+        n = _U32.unpack_from(prefix, len(MAGIC))[0] if len(prefix) == len(MAGIC) + 4 else 0
+        data = prefix + f.read(n + 4)
+    return _header(path, data)[0]
+
+
 def load(path: str | os.PathLike) -> Checkpoint:
     """Reads and verifies a checkpoint file (checksums, format, structure).
 
@@ -323,26 +376,13 @@ def load(path: str | os.PathLike) -> Checkpoint:
     if not path.is_file():
         raise FileNotFoundError(f"Expected a checkpoint file at {path}, found none.")
     data = path.read_bytes()
-    fix = f"Delete {path} to resume from the previous checkpoint, or start a new run."
 
     def corrupt(what: str) -> CheckpointError:
-        return CheckpointError(f"Expected a fedlang checkpoint at {path}, found {what}. {fix}")
+        return _corrupt(path, what)
 
-    if data[: len(MAGIC)] != MAGIC:
-        raise corrupt(f"a file starting with {data[:8]!r}")
-    pos = len(MAGIC)
-    if len(data) < pos + 4:
-        raise corrupt("a truncated file")
-    (n,) = _U32.unpack_from(data, pos)
-    head = data[pos + 4 : pos + 4 + n]
-    if len(head) != n or len(data) < pos + 8 + n:
-        raise corrupt("a truncated file")
-    (crc,) = _U32.unpack_from(data, pos + 4 + n)
-    if zlib.crc32(head) != crc:
-        raise corrupt("a header that fails its checksum")
+    header, start = _header(path, data)
     try:
-        header = json.loads(head)
-        leaves = serialization.deserialize_value(data[pos + 8 + n :])
+        leaves = serialization.deserialize_value(data[start:])
         structure = header["structure"]
         ckpt = Checkpoint(path, int(header["round_num"]), str(header["fingerprint"]),
                           dict(header["config"]), list(structure), dict(header["driver_state"]),

@@ -13,16 +13,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from fedlang.core import types
+from fedlang.core import tff_names, types
+from fedlang.simulation import _store_reader, errors, specs
 from fedlang.simulation import dataset as dataset_lib
-from fedlang.simulation import specs
-
-
-class UnknownClientError(KeyError, ValueError):
-    """A client id that the `ClientData` does not have (a `KeyError` and `ValueError`)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 def _preview(ids: Sequence[str], k: int = 3) -> str:
@@ -100,13 +93,26 @@ class ClientData:
                    num_examples={c: cast(int, d.cardinality) for c, d in datasets.items()})
 
     @classmethod
-    def from_store(cls, path: str | os.PathLike) -> ClientData:
-        """Opens an on-disk store written by `fedlang.simulation.store.write` (memory-mapped)."""
-        from fedlang.simulation import store  # store builds on this module
-
-        return store.open_store(path).client_data()
+    def from_store(cls, path: str | os.PathLike | _store_reader.Reader) -> ClientData:
+        """Opens an on-disk store written by `fedlang.simulation.store.write`
+        (memory-mapped); an open store (`store.open_store`) is used as it is."""
+        store = path if isinstance(path, _store_reader.Reader) else _store_reader.Reader(path)
+        return cls(store.client_ids, store.read_client, element_spec=store.structure,
+                   num_examples=store.num_examples)
 
     # -- access ------------------------------------------------------------------
+
+    _TFF_SPELLINGS = {
+        "create_tf_dataset_for_client": "create_dataset_for_client(client_id), a fedlang "
+        "Dataset (no TensorFlow)",
+        "create_tf_dataset_from_all_clients": "create_dataset_from_all_clients(seed)",
+        "serializable_dataset_fn": "create_dataset_for_client (any Python function works "
+        "in a simulation)",
+    }
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only when normal lookup fails: TFF's spellings get fedlang's name.
+        raise tff_names.missing(self, name, self._TFF_SPELLINGS)
 
     @property
     def client_ids(self) -> list[str]:
@@ -118,7 +124,7 @@ class ClientData:
 
     def _check_id(self, client_id: str) -> None:
         if client_id not in self._index:
-            raise UnknownClientError(
+            raise errors.UnknownClientError(
                 f"Expected a client id of this ClientData, found {client_id!r}. It has "
                 f"{len(self._ids)} clients ({_preview(self._ids)}); list them with "
                 "`client_data.client_ids`."

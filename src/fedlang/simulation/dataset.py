@@ -290,10 +290,24 @@ class Dataset:
     def map(self, fn: Callable[[Any], Any], element_spec: Any = None) -> Dataset:
         """Applies `fn(element) -> element` to each element (tuples are not unpacked).
 
+        Without `element_spec`, the output's spec is inferred from `fn` of the first
+        element, keeping what the input's spec leaves unknown: an output field whose
+        leading dimension has the size of an unknown (`?`) dimension of that first
+        element is recorded as unknown too, as `tf.data` records the batch dimension.
+        So `ds.batch(5).map(f)` has a spec of `[?, ...]` fields (its last batch may be
+        shorter), and `ds.batch(5, drop_remainder=True).map(f)` of `[5, ...]` fields.
+
         Args:
           fn: a Python function over numpy values.
           element_spec: the spec of the output; inferred from the first output when
             omitted (which reads one element).
+
+        Example:
+          >>> ds = Dataset.from_tensor_slices({'x': np.ones((12, 3), np.float32)})
+          >>> str(ds.batch(5).map(lambda e: (e['x'], e['x'].sum(1))).element_spec)
+          '<float32[?,3],float32[?]>'
+          >>> str(ds.batch(5, drop_remainder=True).map(lambda e: e['x']).element_spec)
+          'float32[5,3]'
         """
 
         def iter_fn(path: _Path) -> Iterator[Any]:
@@ -304,7 +318,22 @@ class Dataset:
             finally:
                 _prefetch.close(it)
 
-        out = Dataset(iter_fn, cardinality=self._cardinality)
+        def infer_structure() -> Any:
+            it = self._iter_fn(())
+            try:
+                first = next(it)
+            except StopIteration:
+                raise ValueError(
+                    "Cannot infer the element spec of an empty dataset. Pass `element_spec=` "
+                    "to `map`."
+                ) from None
+            finally:
+                _prefetch.close(it)
+            unknown = _unknown_sizes(self.structure, first)
+            return _tree.map_structure(lambda s: _relax_leading(s, unknown),
+                                       specs.structure_of(fn(first)))
+
+        out = Dataset(iter_fn, cardinality=self._cardinality, structure_fn=infer_structure)
         if element_spec is not None:
             out._structure = specs.to_structure(element_spec)
         return out
@@ -544,6 +573,25 @@ class Dataset:
         for x in self:
             state = fn(state, x)
         return state
+
+
+def _unknown_sizes(structure: Any, element: Any) -> set[int]:
+    """The sizes `element` has where `structure` leaves a dimension unknown (None)."""
+    sizes: set[int] = set()
+    for spec, value in zip(_tree.flatten(structure), _tree.flatten(element)):
+        shape = np.shape(value)
+        if len(shape) == len(spec.shape):
+            sizes.update(n for d, n in zip(spec.shape, shape) if d is None)
+    return sizes
+
+
+def _relax_leading(spec: Any, unknown: set[int]) -> Any:
+    """`spec` with its leading dimension unknown when its size is one of `unknown`."""
+    if not spec.shape or spec.shape[0] not in unknown:
+        return spec
+    if isinstance(spec, specs.StringSpec):
+        return specs.StringSpec((None, *spec.shape[1:]))
+    return types.TensorType(spec.dtype, (None, *spec.shape[1:]))
 
 
 def _column_spec(column: np.ndarray) -> types.TensorType | specs.StringSpec:

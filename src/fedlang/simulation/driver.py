@@ -8,6 +8,17 @@ rounds. It needs only `process.initialize()` and `process.next(state, data)` ret
 so it drives `fedlang.templates.IterativeProcess`es and `fedlang.learning` algorithms
 alike.
 
+A process whose clients keep state (`process.client_state` is not None: SCAFFOLD,
+Ditto, ...) also needs a `ClientStateStore`: each round the driver passes
+`store.cohort(client_ids)` as the third argument of `next`, and the round's new
+client states are committed to the store with the round. The store is checkpointed
+with the run: each checkpoint records the store's version, the store keeps every
+version a kept checkpoint may return to, and resuming rolls it back to the
+checkpoint's version (so a round the store committed after the last checkpoint is
+redone, exactly). A fresh run needs a store no round has written (version 0), and
+with checkpoints it first saves round 0, so a run killed before its first
+checkpoint resumes from the start.
+
 Resuming is exact. All randomness the driver controls is counter based: the sampler
 draws round `r`'s cohort from `(sampler seed, r)`, and each client's `preprocess`
 seed is `derive_seed(seed, r, client_id)`. A checkpoint holds the state's exact bytes,
@@ -31,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -43,9 +55,12 @@ from typing import Any
 
 import numpy as np
 
+from fedlang.core import status as status_lib
 from fedlang.simulation import checkpoint as checkpoint_lib
 from fedlang.simulation import client_data as client_data_lib
 from fedlang.simulation import dataset as dataset_lib
+from fedlang.simulation import metrics as metrics_lib
+from fedlang.simulation import state_store as state_store_lib
 from fedlang.simulation import writers as writers_lib
 
 
@@ -67,6 +82,32 @@ class TrainingResult:
     history: list[dict[str, Any]]
     resumed_from: int | None = None
     checkpoint: pathlib.Path | None = None
+
+
+STOPPING = "stopping after this round (Ctrl-C again to stop now)"
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped `run_training`; `result` holds what was done.
+
+    The first Ctrl-C stops at the end of the round in progress and checkpoints the
+    rounds done (with `checkpoint_dir`), so running the same training again resumes
+    with nothing lost; a second one stops at once, mid-round (see
+    `fedlang.core.status.defer_interrupts`, which `run_training` enters). It is a
+    `KeyboardInterrupt`, so code that does not catch it stops as Ctrl-C stops it.
+
+    Attributes:
+      result: a `TrainingResult` whose `round_num` is the rounds completed, `history`
+        the rounds this call ran and `checkpoint` the newest checkpoint (None if none).
+      rounds: the rounds the run was asked for.
+      checkpoint_round: the round of `result.checkpoint` (None without one).
+    """
+
+    def __init__(self, result: TrainingResult, rounds: int, checkpoint_round: int | None):
+        super().__init__(f"stopped after round {result.round_num} of {rounds}")
+        self.result = result
+        self.rounds = rounds
+        self.checkpoint_round = checkpoint_round
 
 
 def derive_seed(seed: int, round_num: int, client_id: str) -> int:
@@ -103,11 +144,13 @@ def release_free_memory() -> None:
         trim(0)
 
 
-def _split_output(out: Any) -> tuple[Any, Any]:
+def _split_output(out: Any, stateful: bool = False) -> tuple[Any, Any]:
     if hasattr(out, "state") and hasattr(out, "metrics"):
         return out.state, out.metrics
     if isinstance(out, tuple) and len(out) == 2:
         return out
+    if stateful and isinstance(out, tuple) and len(out) == 3:
+        return out[0], out[1]  # (state, metrics, client states)
     raise TypeError(
         "Expected process.next to return (state, metrics) or an object with .state and "
         f".metrics, found {type(out).__name__}. Wrap a state-only process so next returns "
@@ -125,7 +168,7 @@ def _sampler_config(sampler: Any) -> dict[str, Any]:
     if ids is not None:
         config["num_clients"] = len(ids)
         config["client_ids_crc32"] = zlib.crc32("\n".join(map(str, ids)).encode())
-    return writers_lib.to_python(config)
+    return metrics_lib.to_python(config)
 
 
 def _data_fn(train_data: Any, preprocess: Callable[..., Any] | None, seed: int
@@ -153,10 +196,12 @@ def _data_fn(train_data: Any, preprocess: Callable[..., Any] | None, seed: int
 
 
 class _Progress:
-    """A rich progress bar (rounds, round time, ETA, latest metrics), or nothing."""
+    """A rich progress bar (rounds, round time, ETA, latest metrics, and what a slow step
+    is doing, e.g. the runtime measuring: `fedlang.core.status`), or nothing."""
 
     def __init__(self, enabled: bool | None, total: int, start: int):
         self._bar: Any = None
+        self._showing = contextlib.ExitStack()
         if enabled is False:
             return
         from rich import console as rich_console
@@ -173,13 +218,18 @@ class _Progress:
             rp.TextColumn("ETA"),
             rp.TimeRemainingColumn(),
             rp.TextColumn("{task.fields[summary]}"),
+            rp.TextColumn("[dim]{task.fields[status]}"),
             console=console,
             transient=False,
         )
         self._bar.start()
         self._task = self._bar.add_task("rounds", total=total, completed=start,
-                                        round_time="", summary="")
+                                        round_time="", summary="", status="")
         self._latest: dict[str, float] = {}
+        self._showing.enter_context(status_lib.showing(self._status))
+
+    def _status(self, message: str) -> None:
+        self._bar.update(self._task, status=message)
 
     def update(self, round_num: int, seconds: float, flat: Mapping[str, Any]) -> None:
         if self._bar is None:
@@ -187,9 +237,10 @@ class _Progress:
         self._latest.update(_short_metrics(flat))  # evaluation metrics persist between evaluations
         summary = "  ".join(f"{k} {v:.3g}" for k, v in self._latest.items())
         self._bar.update(self._task, completed=round_num, round_time=f"{seconds:.2f}s/round",
-                         summary=summary)
+                         summary=summary, status="")
 
     def close(self) -> None:
+        self._showing.close()
         if self._bar is not None:
             self._bar.stop()
 
@@ -197,7 +248,7 @@ class _Progress:
 def _short_metrics(flat: Mapping[str, Any], limit: int = 4) -> dict[str, float]:
     """Losses and accuracies among flattened metrics, with short labels ('eval acc')."""
     out: dict[str, float] = {}
-    for key, value in writers_lib.scalars(flat).items():
+    for key, value in metrics_lib.scalars(flat).items():
         head, tail = key.split("/", 1)[0], key.rsplit("/", 1)[-1]
         if tail in ("loss", "accuracy") and len(out) < limit:
             label = {"loss": "loss", "accuracy": "acc"}[tail]
@@ -222,6 +273,7 @@ def run_training(
     config: Mapping[str, Any] | None = None,
     seed: int = 0,
     progress: bool | None = None,
+    client_state_store: state_store_lib.ClientStateStore | None = None,
 ) -> TrainingResult:
     """Runs `rounds` rounds of `process` over sampled cohorts, resuming if it can.
 
@@ -251,6 +303,10 @@ def run_training(
         so a checkpoint of another configuration is refused.
       seed: the seed of the clients' `preprocess` seeds.
       progress: show a progress bar; None shows one when stderr is a terminal.
+      client_state_store: for a process whose clients keep state (its
+        `client_state` is not None), where that state lives:
+        `ClientStateStore(directory, process.client_state)`. It is checkpointed and
+        resumed with the run (see the module docstring).
 
     Returns:
       A `TrainingResult`.
@@ -261,7 +317,11 @@ def run_training(
       CheckpointError: if the newest checkpoint is corrupt.
       ValueError: for invalid counts, or a checkpoint beyond `rounds`.
       FileExistsError: with `resume=False` when `checkpoint_dir` has checkpoints.
-      TypeError: for a process, sampler or data of the wrong kind.
+      TypeError: for a process, sampler or data of the wrong kind, or a process
+        that keeps client state without a `client_state_store` (or the reverse).
+      ClientStateError: (a `ValueError`) a store of another state type, a fresh run
+        given a store that rounds already wrote, or a checkpoint without the store's
+        version.
     """
     for name, value, low in (("rounds", rounds, 0), ("evaluate_every", evaluate_every, 1),
                              ("checkpoint_every", checkpoint_every, 1)):
@@ -278,10 +338,26 @@ def run_training(
             f"Expected a sampler with get_state()/set_state() to checkpoint, found "
             f"{type(sampler).__name__}. Use fedlang.simulation.UniformSampler or add them."
         )
+    store = _check_store(process, client_state_store)
     make_data = _data_fn(train_data, preprocess, seed)
-    run_config = {"config": writers_lib.to_python(dict(config or {})), "seed": int(seed),
+    run_config = {"config": metrics_lib.to_python(dict(config or {})), "seed": int(seed),
                   "sampler": _sampler_config(sampler)}
 
+    # Ctrl-C stops at the end of a round (a KeyboardInterrupt inside JAX is unsafe)
+    with status_lib.defer_interrupts(STOPPING) as interrupts:
+        return _run(process, make_data, sampler, rounds, evaluation, evaluate_every, metrics,
+                    checkpoint_dir, checkpoint_every, keep_checkpoints, resume, run_config,
+                    progress, interrupts, store)
+
+
+def _run(process: Any, make_data: Callable[[int, list[str]], Any], sampler: Any, rounds: int,
+         evaluation: Callable[[Any], Any] | None, evaluate_every: int,
+         metrics: Sequence[writers_lib.MetricsWriter],
+         checkpoint_dir: str | pathlib.Path | None, checkpoint_every: int, keep_checkpoints: int,
+         resume: bool, run_config: dict[str, Any], progress: bool | None,
+         interrupts: status_lib.Interrupts,
+         store: state_store_lib.ClientStateStore | None) -> TrainingResult:
+    """`run_training` once its arguments are checked, with Ctrl-C deferred to a round's end."""
     state = process.initialize()
     fp = checkpoint_lib.fingerprint(run_config, state)
     start, resumed_from, last_ckpt = 0, None, None
@@ -302,35 +378,136 @@ def run_training(
         sampler.set_state(ckpt.driver_state["sampler"])
         start = resumed_from = ckpt.round_num
         last_ckpt = path
+        if store is not None:
+            store.rollback(_store_version(ckpt.driver_state, path))
+    elif store is not None:
+        last_ckpt = _start_store(store, checkpoint_dir, state, fp, run_config, sampler,
+                                 keep_checkpoints) or last_ckpt
     for w in metrics:
         w.truncate(start)
 
     history: list[dict[str, Any]] = []
+    done = saved = start
+
+    def save() -> pathlib.Path:
+        assert checkpoint_dir is not None
+        return _save(checkpoint_dir, done, state, fp, run_config, sampler, keep_checkpoints,
+                     store)
+
+    def interrupted() -> TrainingInterrupted:
+        return TrainingInterrupted(TrainingResult(state, done, history, resumed_from, last_ckpt),
+                                   rounds, None if last_ckpt is None else saved)
+
     bar = _Progress(progress, rounds, start)
     try:
-        for round_num in range(start + 1, rounds + 1):
+        for round_num in range(start + 1, rounds + 2):  # + 1: a Ctrl-C in the last round
+            if interrupts.requested():
+                if checkpoint_dir is not None and done > saved:
+                    with interrupts.shielded():
+                        last_ckpt, saved = save(), done  # nothing done is lost
+                raise interrupted()
+            if round_num > rounds:
+                break
             t0 = time.perf_counter()
             cohort = list(sampler.sample())
-            state, train_metrics = _split_output(process.next(state, make_data(round_num, cohort)))
+            if store is None:
+                out = process.next(state, make_data(round_num, cohort))
+            else:
+                out = process.next(state, make_data(round_num, cohort),
+                                   store.cohort(map(str, cohort)))
+            state, train_metrics = _split_output(out, store is not None)
             release_free_memory()  # the round's data is garbage now
-            record: dict[str, Any] = {"train": writers_lib.to_python(train_metrics)}
+            record: dict[str, Any] = {"train": metrics_lib.to_python(train_metrics)}
             record["round_time_s"] = time.perf_counter() - t0
             if evaluation is not None and (round_num % evaluate_every == 0 or round_num == rounds):
                 t1 = time.perf_counter()
-                record["eval"] = writers_lib.to_python(evaluation(state))
+                record["eval"] = metrics_lib.to_python(evaluation(state))
                 record["eval_time_s"] = time.perf_counter() - t1
             for w in metrics:
                 w.write(round_num, record)
             history.append({"round": round_num, "metrics": record})
+            done = round_num
             if checkpoint_dir is not None and (round_num % checkpoint_every == 0 or round_num == rounds):
-                last_ckpt = checkpoint_lib.save(
-                    checkpoint_dir, round_num, state, fingerprint=fp, config=run_config,
-                    driver_state={"sampler": writers_lib.to_python(sampler.get_state())},
-                    keep=keep_checkpoints,
-                )
-            bar.update(round_num, record["round_time_s"], writers_lib.flatten_metrics(record))
+                last_ckpt, saved = save(), done
+            bar.update(round_num, record["round_time_s"], metrics_lib.flatten_metrics(record))
+    except KeyboardInterrupt as e:  # a second Ctrl-C: at once, mid-round
+        if isinstance(e, TrainingInterrupted):
+            raise
+        raise interrupted() from e
     finally:
-        bar.close()
-        for w in metrics:
-            w.close()
+        with interrupts.shielded():  # metrics files and the plot are written whole
+            bar.close()
+            for w in metrics:
+                w.close()
     return TrainingResult(state, rounds, history, resumed_from, last_ckpt)
+
+
+def _save(checkpoint_dir: str | pathlib.Path, round_num: int, state: Any, fp: str,
+          run_config: Mapping[str, Any], sampler: Any, keep: int,
+          store: state_store_lib.ClientStateStore | None) -> pathlib.Path:
+    """Saves a checkpoint; with client state, records the store's version and keeps
+    every version the checkpoints kept may return to."""
+    driver_state: dict[str, Any] = {"sampler": metrics_lib.to_python(sampler.get_state())}
+    if store is not None:
+        driver_state["client_state_version"] = store.version
+    path = checkpoint_lib.save(checkpoint_dir, round_num, state, fingerprint=fp,
+                               config=run_config, driver_state=driver_state, keep=keep)
+    if store is not None:
+        oldest = checkpoint_lib.checkpoints(checkpoint_dir)[0]
+        store.retain_from(_store_version(checkpoint_lib.read_header(oldest)["driver_state"], oldest))
+    return path
+
+
+def _check_store(process: Any, store: Any) -> state_store_lib.ClientStateStore | None:
+    spec: Any = getattr(process, "client_state", None)
+    if spec is None and store is None:
+        return None
+    if store is None:
+        raise TypeError(
+            "Expected a client_state_store: this process keeps client state "
+            f"({spec.state_type}). Pass client_state_store=fedlang.simulation.ClientStateStore("
+            "directory, process.client_state)."
+        )
+    if spec is None:
+        raise TypeError(
+            "Expected no client_state_store: this process keeps no client state "
+            "(process.client_state is None)."
+        )
+    if not isinstance(store, state_store_lib.ClientStateStore):
+        raise TypeError(
+            f"Expected client_state_store to be a fedlang.simulation.ClientStateStore, found "
+            f"{type(store).__name__}."
+        )
+    if store.state_type != spec.state_type:
+        raise state_store_lib.ClientStateError(
+            f"Expected a client-state store of {spec.state_type} states for this process, found "
+            f"one of {store.state_type} at {store.root}."
+        )
+    return store
+
+
+def _start_store(store: state_store_lib.ClientStateStore, checkpoint_dir: Any, state: Any,
+                 fp: str, run_config: Mapping[str, Any], sampler: Any, keep: int
+                 ) -> pathlib.Path | None:
+    """A fresh run's store: unused; with checkpoints, saved as round 0 at once."""
+    if store.version != 0:
+        raise state_store_lib.ClientStateError(
+            f"Expected an unused client-state store for a fresh run, found {store.root} at "
+            f"version {store.version}: rounds of another run wrote it. Pass a fresh directory, "
+            "or resume that run (its checkpoint_dir, resume=True)."
+        )
+    if checkpoint_dir is None:
+        store.retain_from(None)
+        return None
+    store.retain_from(0)
+    return _save(checkpoint_dir, 0, state, fp, run_config, sampler, keep, store)
+
+
+def _store_version(driver_state: Mapping[str, Any], path: pathlib.Path) -> int:
+    version = driver_state.get("client_state_version")
+    if not isinstance(version, int):
+        raise state_store_lib.ClientStateError(
+            f"Expected the checkpoint {path} to record a client-state version, found none: it "
+            "was saved by a run without client state. Resume with the run's own settings."
+        )
+    return version

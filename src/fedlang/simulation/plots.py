@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fedlang.simulation import writers
+from fedlang.simulation import metrics as metrics_lib
 
 _DEFAULT_WORDS = ("loss", "accuracy")
 
@@ -30,7 +30,7 @@ def _selected(keys: Sequence[str], wanted: Sequence[str] | None) -> list[str]:
 def _series(records: Sequence[Mapping[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
     series: dict[str, tuple[list[int], list[float]]] = {}
     for record in records:
-        flat = writers.scalars(writers.flatten_metrics(record.get("metrics", {})))
+        flat = metrics_lib.scalars(metrics_lib.flatten_metrics(record.get("metrics", {})))
         for key, value in flat.items():
             xs, ys = series.setdefault(key, ([], []))
             xs.append(int(record["round"]))

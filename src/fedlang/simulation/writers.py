@@ -11,19 +11,12 @@ for a fresh run), so files never hold two versions of a round.
 
 TensorBoard event files are written with tensorboardX (no TensorFlow); plots with
 matplotlib's Agg backend (no display). Both are imported only when such a writer is
-created.
-
-Example:
-  >>> flatten_metrics({'train': {'loss': 0.5, 'acc': [1, 2]}, 'time': 1.5})
-  {'train/loss': 0.5, 'train/acc': [1, 2], 'time': 1.5}
-  >>> scalars(flatten_metrics({'train': {'loss': 0.5, 'acc': [1, 2]}}))
-  {'train/loss': 0.5}
+created. Metrics become JSON-able values, flattened keys and scalars by `metrics`.
 """
 
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import math
 import os
@@ -33,7 +26,7 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-import numpy as np
+from fedlang.simulation import metrics as metrics_lib
 
 
 class MetricsWriter(Protocol):
@@ -44,52 +37,6 @@ class MetricsWriter(Protocol):
     def truncate(self, round_num: int) -> None: ...
 
     def close(self) -> None: ...
-
-
-# -- values -----------------------------------------------------------------------
-
-
-def to_python(value: Any) -> Any:
-    """Metrics as JSON-able Python: mappings, namedtuples and dataclasses become dicts,
-    sequences lists, numpy/JAX scalars numbers and arrays (nested) lists."""
-    if isinstance(value, Mapping):
-        return {str(k): to_python(v) for k, v in value.items()}
-    if hasattr(value, "_asdict"):
-        return {str(k): to_python(v) for k, v in value._asdict().items()}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_python(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, list | tuple):
-        return [to_python(v) for v in value]
-    if isinstance(value, bool | int | float | str) or value is None:
-        return value
-    array = np.asarray(value)
-    if array.dtype.kind == "b":
-        return array.tolist()
-    if array.dtype.kind in "iu":
-        return array.tolist()
-    if array.dtype.kind == "f" or array.dtype.name == "bfloat16":
-        return array.astype(np.float64).tolist()
-    return str(value)
-
-
-def flatten_metrics(metrics: Mapping[str, Any], sep: str = "/") -> dict[str, Any]:
-    """Nested mappings flattened to `'a/b/c'` keys (other values are leaves)."""
-    out: dict[str, Any] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, Mapping):
-            for k, v in node.items():
-                walk(v, f"{prefix}{sep}{k}" if prefix else str(k))
-        else:
-            out[prefix] = node
-
-    walk(to_python(metrics), "")
-    return out
-
-
-def scalars(flat: Mapping[str, Any]) -> dict[str, float | int]:
-    """The numeric scalar entries of flattened metrics."""
-    return {k: v for k, v in flat.items() if isinstance(v, int | float)}
 
 
 def _atomic_write_text(path: pathlib.Path, text: str) -> None:
@@ -148,7 +95,7 @@ class JSONLinesWriter:
     def write(self, round_num: int, metrics: Mapping[str, Any]) -> None:
         if self._file is None:
             self._file = open(self.path, "a")  # noqa: SIM115 (kept open across rounds)
-        self._file.write(json.dumps({"round": int(round_num), "metrics": to_python(metrics)}) + "\n")
+        self._file.write(json.dumps({"round": int(round_num), "metrics": metrics_lib.to_python(metrics)}) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -202,7 +149,7 @@ class CSVWriter:
         self._rewrite(columns, [r for r in rows if int(r.get("round") or 0) <= round_num])
 
     def write(self, round_num: int, metrics: Mapping[str, Any]) -> None:
-        row: dict[str, Any] = {"round": int(round_num), **scalars(flatten_metrics(metrics))}
+        row: dict[str, Any] = {"round": int(round_num), **metrics_lib.scalars(metrics_lib.flatten_metrics(metrics))}
         if self._columns is None:
             self._columns, _ = self._read()
         new = [k for k in row if k not in self._columns]
@@ -254,7 +201,7 @@ class TensorBoardWriter:
             # resume) would otherwise share a file name and the second would clobber it.
             self._writer = SummaryWriter(str(self.logdir), purge_step=self._purge_step,
                                          filename_suffix=f".{time.time_ns()}")
-        for tag, value in scalars(flatten_metrics(metrics)).items():
+        for tag, value in metrics_lib.scalars(metrics_lib.flatten_metrics(metrics)).items():
             if isinstance(value, float) and not math.isfinite(value):
                 continue  # TensorBoard cannot plot NaN/inf; the JSON and CSV files keep them
             self._writer.add_scalar(tag, float(value), int(round_num))
@@ -296,7 +243,7 @@ class PlotWriter:
         self._records = [r for r in self._records if r["round"] <= round_num]
 
     def write(self, round_num: int, metrics: Mapping[str, Any]) -> None:
-        self._records.append({"round": int(round_num), "metrics": to_python(metrics)})
+        self._records.append({"round": int(round_num), "metrics": metrics_lib.to_python(metrics)})
         self._dirty = True
 
     def close(self) -> None:
