@@ -253,3 +253,11 @@ def test_assign_weights_to_keras_model_takes_tff_argument_order():
     np.testing.assert_array_equal(np.asarray(m.trainable_variables[0].value), KERNEL1)
     with pytest.raises(TypeError, match=r"Swap the arguments"):
         models.assign_weights_to_keras_model(weights, m)
+
+
+def test_tffs_assign_weights_to_is_answered_with_fedlangs():
+    weights = models.ModelWeights({"w": np.zeros(2)}, ())
+    with pytest.raises(AttributeError, match=r"'assign_weights_to' \(TFF's spelling\); fedlang's is "
+                                             r"models.assign_weights_to_keras_model\(keras_model, weights\)"):
+        weights.assign_weights_to(None)
+    assert weights._replace(non_trainable=1).non_trainable == 1  # a NamedTuple still

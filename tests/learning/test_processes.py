@@ -121,3 +121,22 @@ def test_an_empty_cohort_changes_no_weights_and_reports_zero_clients(runtime_nam
     assert int(metrics["client_work"]["train"]["num_examples"]) == 0
     assert float(metrics["client_work"]["train"]["loss"]) == 0.0
     assert int(metrics["traffic"]["num_clients"]) == 0
+
+
+@pytest.mark.parametrize("builder", [algorithms.build_weighted_fed_avg, algorithms.build_unweighted_fed_avg,
+                                     algorithms.build_fed_adam])
+def test_tffs_keyword_spellings_are_answered_with_fedlangs(builder):
+    with pytest.raises(TypeError, match=r"takes client_optimizer=, not TFF's client_optimizer_fn=: pass "
+                                        r"client_optimizer= an optax.GradientTransformation"):
+        builder(model_fn, client_optimizer_fn=lambda: optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"has no use_experimental_simulation_loop= \(TFF's\)"):
+        builder(model_fn, optax.sgd(0.1), use_experimental_simulation_loop=True)
+
+
+def test_tffs_aggregation_and_server_keywords_are_answered():
+    with pytest.raises(TypeError, match="takes model_aggregator=, not TFF's model_update_aggregation_factory="):
+        algorithms.build_weighted_fed_avg(model_fn, optax.sgd(0.1), model_update_aggregation_factory=None)
+    with pytest.raises(TypeError, match="takes server_optimizer=, not TFF's server_optimizer_fn="):
+        algorithms.build_fed_sgd(model_fn, server_optimizer_fn=lambda: optax.sgd(1.0))
+    with pytest.raises(TypeError, match="has no loop_implementation="):
+        algorithms.build_fed_eval(model_fn, loop_implementation=None)

@@ -14,6 +14,8 @@ from fedlang.aggregators.encoding import EncodedSumFactory as EncodedSumFactory
 from fedlang.aggregators.encoding import Encoder as Encoder
 from fedlang.aggregators.factory import UnweightedAggregationFactory as UnweightedAggregationFactory
 from fedlang.aggregators.factory import WeightedAggregationFactory as WeightedAggregationFactory
+from fedlang.aggregators.krum import BulyanFactory as BulyanFactory
+from fedlang.aggregators.krum import KrumFactory as KrumFactory
 from fedlang.aggregators.mean import MeanFactory as MeanFactory
 from fedlang.aggregators.mean import UnweightedMeanFactory as UnweightedMeanFactory
 from fedlang.aggregators.quantile import QuantileEstimator as QuantileEstimator

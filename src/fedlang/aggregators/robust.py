@@ -43,9 +43,21 @@ def _buffer_type(value_t: types.Type) -> types.Type:
     return tools.map_type(lambda lt: types.TensorType(lt.dtype, [None, *lt.shape]), value_t)
 
 
-def _collect_process(value_t: types.Type, statistic: Callable[[list[Any]], tuple[list[Any], Any]],
-                     extra_t: Any) -> processes.AggregationProcess:
-    """A process collecting client values and reporting `statistic(stacked leaves)`."""
+def collect_process(value_t: types.Type, statistic: Callable[[list[Any]], tuple[list[Any], Any]],
+                    extra_t: Any) -> processes.AggregationProcess:
+    """A process collecting client values and reporting `statistic(stacked leaves)`.
+
+    Args:
+      value_t: the type of one client's value (floating tensors).
+      statistic: JAX, `(leaves, each float32[n, ...] with n >= 1 known) -> (result
+        leaves, extra)`; it may raise (at the server, when the round's cohort is known)
+        for a cohort it cannot aggregate.
+      extra_t: `{name: dtype}` of the scalar measurements `statistic` adds (zeros when
+        there are no clients).
+
+    Returns:
+      An unweighted `AggregationProcess` (its result is zeros when there are no clients).
+    """
     buffer_t = _buffer_type(value_t)
     leaf_types = types.tensor_leaves(value_t)
     report_t = types.to_type({"value": value_t, "extra": extra_t})
@@ -113,7 +125,7 @@ class MedianFactory(factory.UnweightedAggregationFactory):
     def create(self, value_type: Any) -> processes.AggregationProcess:
         """Returns the median process for floating `value_type`."""
         value_t = factory.check_value_type(value_type, "f")
-        return _collect_process(
+        return collect_process(
             value_t, lambda xs: ([jnp.median(x, axis=0) for x in xs], {}), {})
 
 
@@ -153,7 +165,7 @@ class TrimmedMeanFactory(factory.UnweightedAggregationFactory):
         """Returns the trimmed mean process for floating `value_type`."""
         value_t = factory.check_value_type(value_type, "f")
         frac = self.trim_fraction
-        return _collect_process(
+        return collect_process(
             value_t, lambda xs: ([trimmed_mean(x, frac) for x in xs], {}), {})
 
 
@@ -219,6 +231,6 @@ class GeometricMedianFactory(factory.UnweightedAggregationFactory):
         """Returns the geometric median process for floating `value_type`."""
         value_t = factory.check_value_type(value_type, "f")
         args = (self.max_iterations, self.eps, self.tolerance)
-        return _collect_process(
+        return collect_process(
             value_t, lambda xs: weiszfeld(xs, *args),
             {"weiszfeld_iterations": np.int32, "objective": np.float32})

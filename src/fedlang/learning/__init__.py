@@ -18,6 +18,7 @@ from fedlang.learning import model_update_aggregator as model_update_aggregator
 from fedlang.learning import models as models
 from fedlang.learning import non_trainable as non_trainable
 from fedlang.learning import optimizers as optimizers
+from fedlang.learning import personalization as personalization
 from fedlang.learning import sparse as sparse
 from fedlang.learning import templates as templates
 from fedlang.learning.buffered import BufferedLearningProcess as BufferedLearningProcess

@@ -4,6 +4,11 @@
       --model aggregator--> update@SERVER --finalizer--> new weights@SERVER
       --non-trainable update (the clients' BatchNorm statistics...)--> weights@SERVER
 
+Client work may keep per-client state across rounds (`ClientWorkProcess` with an
+`initial_client_state`): the composed `next(state, client_data, client_states)` then
+passes the cohort's states to it and returns their new values
+(`StatefulLearningProcessOutput`), declared with `fedlang.with_client_state`.
+
 Every part but the last is a measured process; the composed state holds each one's
 state, and the metrics each one's measurements, under the part's name, plus
 `metrics['traffic']`: the bits this round broadcast to and aggregated from the clients
@@ -19,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlang.backends.jax import computation as jax_backend
-from fedlang.core import computation, operators, tracing, traffic, types
+from fedlang.core import client_state, computation, operators, tracing, traffic, types
 from fedlang.core import processes as core_processes
 from fedlang.learning import non_trainable, templates, type_checks
 from fedlang.learning.models import model as model_lib
@@ -138,6 +143,7 @@ def compose_learning_process(
         "non_trainable_update to be (<weights@SERVER,{non_trainable}@CLIENTS,"
         "{float32}@CLIENTS> -> weights@SERVER) for client_work's non_trainable results")
     data_t = _param(client_work.next, 2)
+    states_t = _client_states_type(client_work, result_t)
 
     @tracing.federated_computation()
     def initialize():
@@ -151,11 +157,13 @@ def compose_learning_process(
             )
         )
 
-    @tracing.federated_computation(initialize.type_signature.result, data_t)
-    def round_fn(state, client_data):
+    def round_body(state, client_data, client_states=None):
         weights = state.global_model_weights
         sent = distributor.next(state.distributor, weights)
-        work = client_work.next(state.client_work, sent.result, client_data)
+        if client_states is None:
+            work = client_work.next(state.client_work, sent.result, client_data)
+        else:
+            work = client_work.next(state.client_work, sent.result, client_data, client_states)
         results = work.result
         if aggregator.is_weighted:
             agg = aggregator.next(state.aggregator, results.update, results.update_weight)
@@ -174,9 +182,28 @@ def compose_learning_process(
             "aggregator": agg.measurements,
             "finalizer": fin.measurements,
         }
-        return templates.LearningProcessOutput(new_state, metrics), results.update_weight
+        if client_states is None:
+            return templates.LearningProcessOutput(new_state, metrics), results.update_weight
+        return (templates.StatefulLearningProcessOutput(new_state, metrics, results.client_state),
+                results.update_weight)
 
-    next_fn = traffic_measured(round_fn)
+    state_t = initialize.type_signature.result
+    if states_t is None:
+        @tracing.federated_computation(state_t, data_t)
+        def round_fn(state, client_data):
+            return round_body(state, client_data)
+
+        next_fn = traffic_measured(round_fn)
+    else:
+        @tracing.federated_computation(state_t, data_t, states_t)
+        def stateful_round_fn(state, client_data, client_states):
+            return round_body(state, client_data, client_states)
+
+        next_fn = client_state.with_client_state(
+            traffic_measured(stateful_round_fn),
+            cast(computation.Computation, client_work.initial_client_state),
+            parameter="client_states", result="client_states",
+        )
 
     def get_model_weights(state: Any) -> model_lib.ModelWeights:
         return model_lib.ModelWeights(*state.global_model_weights)
@@ -213,18 +240,48 @@ def compose_learning_process(
     return process
 
 
+def _client_states_type(
+    client_work: templates.ClientWorkProcess, result_t: types.StructType
+) -> types.Type | None:
+    """`{S}@CLIENTS` when `client_work` keeps client state (checked), else None."""
+    init = client_work.initial_client_state
+    if init is None:
+        return None
+    n = len(client_work.next.parameter_names)
+    if n != 4:
+        raise TypeError(
+            "Expected client_work with an initial_client_state to take (state, weights, "
+            f"client_data, client_states), found {n} parameters: {client_work.next.type_signature}."
+        )
+    states_t = _param(client_work.next, 3)
+    state_t = init.type_signature.result
+    type_checks.check_fits(states_t, types.type_at_clients(state_t),
+                           "client_work's client_states parameter to take its initial_client_state")
+    if "client_state" not in result_t.names:
+        raise TypeError(
+            "Expected client_work with client state to return a StatefulClientResult (with a "
+            f"client_state field), found {result_t}."
+        )
+    type_checks.check_fits(state_t, result_t["client_state"],
+                           "client_work's client_state result to be its client state's type")
+    return states_t
+
+
 def traffic_measured(round_fn: computation.Computation) -> computation.Computation:
     """`next(state, data) -> LearningProcessOutput` adding `metrics['traffic']` to a round.
 
     Args:
       round_fn: `(state, client_data) -> <LearningProcessOutput(state, metrics),
         {x}@CLIENTS>`, where the second result holds one value per client (to count
-        them). Its metrics must be a struct of server values.
+        them). Its metrics must be a struct of server values. A round of client work
+        with client state takes `(state, client_data, client_states)` and returns a
+        `StatefulLearningProcessOutput` first; so does the measured round.
 
     Returns:
       The round with `traffic = {'num_clients', 'broadcast_bits', 'aggregated_bits'}`
       (int32, int32, float32) in its metrics: the per-client bits of the round
       (`traffic.per_client_bits`, the count's own int32 included) times the clients.
+      Client states are read and written where the clients are: they are no traffic.
     """
     sizes = traffic.per_client_bits(round_fn)
     count_t = cast(types.StructType, round_fn.type_signature.result)[1]
@@ -240,14 +297,27 @@ def traffic_measured(round_fn: computation.Computation) -> computation.Computati
         f = n.astype(jnp.float32)
         return {"num_clients": n, "broadcast_bits": f * down, "aggregated_bits": f * up}
 
-    state_t, data_t = cast(types.StructType, round_fn.type_signature.parameter).types
+    def measured(out: Any, per_client: Any) -> Any:
+        n = operators.federated_sum(operators.federated_map(one, per_client))
+        metrics = {name: out.metrics[name] for name in out.metrics.type_signature.names}
+        metrics["traffic"] = operators.federated_map(bits, n)
+        return metrics
+
+    param_types = cast(types.StructType, round_fn.type_signature.parameter).types
+    if len(param_types) == 3:
+        @tracing.federated_computation(*param_types)
+        def stateful_next_fn(state, client_data, client_states):
+            out, per_client = round_fn(state, client_data, client_states)
+            return templates.StatefulLearningProcessOutput(
+                out.state, measured(out, per_client), out.client_states)
+
+        return stateful_next_fn
+
+    state_t, data_t = param_types
 
     @tracing.federated_computation(state_t, data_t)
     def next_fn(state, client_data):
         out, per_client = round_fn(state, client_data)
-        n = operators.federated_sum(operators.federated_map(one, per_client))
-        metrics = {name: out.metrics[name] for name in out.metrics.type_signature.names}
-        metrics["traffic"] = operators.federated_map(bits, n)
-        return templates.LearningProcessOutput(out.state, metrics)
+        return templates.LearningProcessOutput(out.state, measured(out, per_client))
 
     return next_fn

@@ -40,6 +40,21 @@ class ClientResult(NamedTuple):
     non_trainable: Any = ()
 
 
+class StatefulClientResult(NamedTuple):
+    """A `ClientResult` of client work whose clients keep state across rounds.
+
+    Attributes:
+      update, update_weight, non_trainable: as in `ClientResult`.
+      client_state: the client's new state (SCAFFOLD's control variate, Ditto's
+        personal model, FedPer's local layers); it stays with the client.
+    """
+
+    update: Any
+    update_weight: Any
+    non_trainable: Any
+    client_state: Any
+
+
 class LearningAlgorithmState(NamedTuple):
     """The server state of a composed learning process: one pytree, one checkpoint."""
 
@@ -55,6 +70,16 @@ class LearningProcessOutput(NamedTuple):
 
     state: Any
     metrics: Any
+
+
+class StatefulLearningProcessOutput(NamedTuple):
+    """What `next(state, client_data, client_states)` of a process with client state
+    returns: the new state, this round's metrics, and the cohort's new client states
+    (a list when `client_states` was a list; the binding, committed, when it was one)."""
+
+    state: Any
+    metrics: Any
+    client_states: Any
 
 
 def _no_hparams(state: Any) -> dict[str, Any]:
@@ -90,6 +115,12 @@ class ClientWorkProcess(_PartProcess):
     """`next(state, weights@CLIENTS, data@CLIENTS) -> MeasuredProcessOutput(state,
     {ClientResult}@CLIENTS, metrics@SERVER)`.
 
+    Client work whose clients keep state across rounds takes the cohort's states too,
+    `next(state, weights@CLIENTS, data@CLIENTS, {S}@CLIENTS)`, returns
+    `{StatefulClientResult}@CLIENTS` (whose `client_state` is each client's new state),
+    and gives `initial_client_state`, a local computation `( -> S)`: the state of a
+    client seen for the first time. A process composed with it keeps client state.
+
     Client work built by `client_works.build_client_work_process` also carries its
     client side on its own, which buffered (asynchronous) processes run one client at
     a time (`fedlang.learning.buffered`):
@@ -112,10 +143,12 @@ class ClientWorkProcess(_PartProcess):
         *,
         client_fn: Callable[[Any, Any, Any], Any] | None = None,
         measure: Callable[[Any], Any] | None = None,
+        initial_client_state: computation.Computation | None = None,
     ):
         super().__init__(initialize_fn, next_fn, get_hparams_fn, set_hparams_fn)
         self.client_fn = client_fn
         self.measure = measure
+        self.initial_client_state = initial_client_state
 
 
 class FinalizerProcess(_PartProcess):
@@ -128,7 +161,11 @@ class LearningProcess(processes.IterativeProcess):
 
     `initialize()` returns the state (a pytree); `next(state, client_data)` takes one
     entry per client (any iterable of batches) and returns
-    `LearningProcessOutput(state, metrics)`. The helpers run in Python on a state:
+    `LearningProcessOutput(state, metrics)`. A process whose clients keep state
+    (`client_state` is not None) takes their states too, `next(state, client_data,
+    client_states)`, and returns `StatefulLearningProcessOutput(state, metrics,
+    client_states)` (see `fedlang.with_client_state`). The helpers run in Python on a
+    state:
 
     * `get_model_weights(state) -> ModelWeights`,
     * `set_model_weights(state, weights) -> state`,

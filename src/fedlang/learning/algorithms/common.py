@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 
@@ -12,6 +14,51 @@ from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import computation
 from fedlang.learning import composers, distributors, finalizers, templates
 from fedlang.learning.models import model as model_lib
+
+# TFF's keyword arguments of its algorithm builders -> fedlang's, or what to do instead.
+TFF_KEYWORDS = {
+    "client_optimizer_fn": "client_optimizer",
+    "server_optimizer_fn": "server_optimizer",
+    "model_update_aggregation_factory": "model_aggregator",
+    "model_aggregator_factory": "model_aggregator",
+}
+TFF_DROPPED = {
+    "use_experimental_simulation_loop": "the runtime chooses how to loop over a client's "
+    "data (fedlang.runtime.simulation_context(strategy=...)); drop the argument",
+    "loop_implementation": "the runtime chooses how to loop over a client's data "
+    "(fedlang.runtime.simulation_context(strategy=...)); drop the argument",
+    "metrics_aggregator": "each metric's statistics are summed over the clients and "
+    "finalized once at the server (fedlang.learning.metrics); drop the argument",
+}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def tff_keywords(builder: _F) -> _F:
+    """Answers TFF's keyword spellings passed to `builder` with fedlang's.
+
+    `build_weighted_fed_avg(model_fn, client_optimizer_fn=...)` would fail with Python's
+    "unexpected keyword argument"; this names the keyword fedlang uses (and how to pass
+    an optimizer), or says why the argument has no counterpart.
+    """
+    params = inspect.signature(builder).parameters
+    renames = {tff: ours for tff, ours in TFF_KEYWORDS.items() if tff not in params and ours in params}
+    dropped = {tff: why for tff, why in TFF_DROPPED.items() if tff not in params}
+
+    @functools.wraps(builder)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        for tff in kwargs.keys() & renames.keys():
+            ours = renames[tff]
+            how = ("an optax.GradientTransformation (optax.sgd(0.1)) or a no-argument function "
+                   "returning one" if ours.endswith("optimizer") else "the aggregation factory")
+            raise TypeError(
+                f"{builder.__name__}() takes {ours}=, not TFF's {tff}=: pass {ours}= {how}."
+            )
+        for tff in kwargs.keys() & dropped.keys():
+            raise TypeError(f"{builder.__name__}() has no {tff}= (TFF's): {dropped[tff]}.")
+        return builder(*args, **kwargs)
+
+    return checked  # type: ignore[return-value]
 
 
 def make_model(model_fn: Callable[[], model_lib.Model]) -> model_lib.Model:
@@ -53,8 +100,10 @@ def build_process(
     default_aggregator: Any,
     seed: int = 0,
     update_type: Any = None,
+    model_finalizer: templates.FinalizerProcess | None = None,
 ) -> templates.LearningProcess:
-    """The four parts around `client_work`, composed.
+    """The four parts around `client_work`, composed (`model_finalizer` replaces the
+    one applying `server_optimizer`, for an update of another type than the weights).
 
     Raises:
       TypeError: when `model_aggregator` is not an aggregation factory.
@@ -73,7 +122,8 @@ def build_process(
             f"fedlang.aggregators.MeanFactory()), found {type(factory).__name__}."
         )
     distributor = model_distributor or distributors.build_broadcast_process(weights_t)
-    finalizer = finalizers.build_apply_optimizer_finalizer(server_optimizer, weights_t)
+    finalizer = model_finalizer or finalizers.build_apply_optimizer_finalizer(
+        server_optimizer, weights_t)
     return composers.compose_learning_process(init_fn, distributor, client_work, aggregator, finalizer)
 
 

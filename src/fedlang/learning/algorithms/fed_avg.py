@@ -22,6 +22,7 @@ ModelFn = Callable[[], model_lib.Model]
 SERVER_SGD = optax.sgd(1.0)
 
 
+@common.tff_keywords
 def build_weighted_fed_avg(
     model_fn: ModelFn,
     client_optimizer: Any,
@@ -62,6 +63,7 @@ def build_weighted_fed_avg(
     )
 
 
+@common.tff_keywords
 def build_unweighted_fed_avg(
     model_fn: ModelFn,
     client_optimizer: Any,
@@ -87,6 +89,7 @@ def build_unweighted_fed_avg(
     )
 
 
+@common.tff_keywords
 def build_fed_prox(
     model_fn: ModelFn,
     proximal_strength: float,
@@ -147,7 +150,7 @@ def _fed_opt(server: Callable[..., Any]) -> Callable[..., templates.LearningProc
         "otherwise `build_weighted_fed_avg`. Extra keyword arguments go to the server "
         "optimizer (e.g. `eps=1e-3`, as the paper tunes it).\n\nReturns:\n  A `LearningProcess`."
     )
-    return build
+    return common.tff_keywords(build)
 
 
 build_fed_adam = _fed_opt(optax.adam)

@@ -14,6 +14,7 @@ from fedlang.learning import buffered, client_works, finalizers
 from fedlang.learning.algorithms import common, fed_avg
 
 
+@common.tff_keywords
 def build_fed_buff(
     model_fn: fed_avg.ModelFn,
     client_optimizer_fn: Any,

@@ -15,6 +15,7 @@ from fedlang.learning.algorithms.fed_avg import ModelFn
 from fedlang.learning.models import model as model_lib
 
 
+@common.tff_keywords
 def build_fed_eval(
     model_fn: ModelFn,
     *,

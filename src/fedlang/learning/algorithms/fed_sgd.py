@@ -14,6 +14,7 @@ from fedlang.learning.algorithms.fed_avg import ModelFn
 _SERVER_SGD = optax.sgd(0.1)
 
 
+@common.tff_keywords
 def build_fed_sgd(
     model_fn: ModelFn,
     server_optimizer: Any = _SERVER_SGD,

@@ -141,6 +141,7 @@ def _mime_client_work(
     return templates.ClientWorkProcess(initialize, next_fn, get_hparams, set_hparams)
 
 
+@common.tff_keywords
 def build_mime_lite(
     model_fn: ModelFn,
     base_optimizer: optax.GradientTransformation,

@@ -13,6 +13,8 @@ from fedlang.learning.metrics import Metric as Metric
 from fedlang.learning.models.model import FunctionalModel as FunctionalModel
 from fedlang.learning.models.model import Model as Model
 from fedlang.learning.models.model import ModelWeights as ModelWeights
+from fedlang.learning.models.reconstruction import DatasetSplit as DatasetSplit
+from fedlang.learning.models.reconstruction import ReconstructionModel as ReconstructionModel
 
 # Keras picks its backend when it is first imported: choose JAX now (cheaply, without
 # importing Keras) so that `import fedlang` followed by `import keras` works without

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlang.core import types
+from fedlang.core import tff_names, types
 from fedlang.learning import metrics as metrics_lib
 
 
@@ -28,6 +28,13 @@ class ModelWeights(NamedTuple):
 
     trainable: Any
     non_trainable: Any = ()
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only when normal lookup fails: TFF's spellings get fedlang's name.
+        raise tff_names.missing(self, name, {
+            "assign_weights_to": "models.assign_weights_to_keras_model(keras_model, weights) "
+            "(the Keras model first)",
+        })
 
 
 def batch_fields(batch: Any) -> tuple[Any, Any, Any]:
