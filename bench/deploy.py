@@ -35,7 +35,7 @@ import uvicorn
 import fedlang as fl
 from fedlang import deploy
 from fedlang.core import context
-from fedlang.deploy import execution
+from fedlang.deploy.plans import execution
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONCURRENCY = 16

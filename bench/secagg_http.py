@@ -41,7 +41,8 @@ import numpy as np
 import fedlang as fl
 from fedlang import deploy
 from fedlang.core import context, serialization
-from fedlang.deploy import execution, protocol, secagg
+from fedlang.deploy import protocol, secagg
+from fedlang.deploy.plans import execution
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONCURRENCY = 16

@@ -63,20 +63,35 @@ def build_process(secure: bool = False) -> Any:
 
 
 def partition(num_clients: int, seed: int = 0) -> tuple[list[dict[str, np.ndarray]], dict[str, Any]]:
-    """Client shares of the digits (each client mostly two digits) and a held-out test set."""
+    """Client shares of the digits (each client mostly two digits) and a held-out test set.
+
+    Client c holds the digits c % 10 and (c * 3 + 1) % 10; with fewer than 10 clients,
+    a digit no client holds goes to client `digit % num_clients`, so every example has a
+    client however few there are.
+
+    Raises:
+      ValueError: unless 1 <= num_clients <= the number of training examples (1,438).
+    """
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int32)
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(y))
     test, train = order[: len(y) // 5], order[len(y) // 5 :]
+    if not 1 <= num_clients <= len(train):
+        raise ValueError(
+            f"Expected between 1 and {len(train)} clients (the training examples), found "
+            f"{num_clients}; pass another --clients."
+        )
+    holders = {d: [c for c in range(num_clients) if d in (c % 10, (c * 3 + 1) % 10)]
+               or [d % num_clients] for d in range(10)}
     shares: list[list[int]] = [[] for _ in range(num_clients)]
     for i in train:
         if rng.random() < 0.2:  # a fifth of the examples go to anyone
             shares[rng.integers(num_clients)].append(int(i))
-        else:  # the rest to one of the two clients that hold this digit
-            holders = [c for c in range(num_clients) if y[i] in (c % 10, (c * 3 + 1) % 10)]
-            shares[holders[rng.integers(len(holders))]].append(int(i))
+        else:  # the rest to one of the clients that hold this digit
+            owners = holders[int(y[i])]
+            shares[owners[rng.integers(len(owners))]].append(int(i))
     clients = [{"x": x[idx], "y": y[idx]} for idx in map(np.asarray, shares)]
     return clients, {"x": x[test], "y": y[test]}
 
@@ -160,6 +175,8 @@ def main() -> None:
     parser.add_argument("--secure", action="store_true",
                         help="Sum the model updates with secure aggregation (SecAgg+).")
     args = parser.parse_args()
+    if args.clients < 1:
+        parser.error(f"Expected --clients >= 1, found {args.clients}.")
     result = run(args.rounds, args.clients, secure=args.secure)
     print(f"final held-out accuracy: {result['accuracy'][-1]:.3f}")
 

@@ -40,7 +40,9 @@ import numpy as np
 import optax
 
 from fedlang import deploy
-from fedlang.deploy import async_driver, client, protocol
+from fedlang.deploy import protocol
+from fedlang.deploy.client import client as client_lib
+from fedlang.deploy.driver import buffered as buffered_driver
 from fedlang.learning import algorithms
 
 
@@ -74,7 +76,7 @@ class SlowData:
 
     def __init__(self, path: str | os.PathLike[str], batch_size: int, max_delay: float,
                  seed: int):
-        self.data = client.NpzDataset(path, batch_size)
+        self.data = client_lib.NpzDataset(path, batch_size)
         self.max_delay = max_delay
         self.rng = random.Random(seed)
 
@@ -126,7 +128,7 @@ def write_clients(work: pathlib.Path, num_clients: int) -> tuple[list[pathlib.Pa
     return files, test
 
 
-def drive(driver: async_driver.BufferedDriver, steps: int, test: Any, verbose: bool,
+def drive(driver: buffered_driver.BufferedDriver, steps: int, test: Any, verbose: bool,
           target: float | None = None, timeout: float | None = None) -> list[float]:
     """Runs the driver for `steps` server steps (fewer once `target` accuracy is met),
     printing the held-out accuracy after each; returns the accuracies."""
@@ -135,7 +137,7 @@ def drive(driver: async_driver.BufferedDriver, steps: int, test: Any, verbose: b
     class Reached(Exception):
         pass
 
-    def on_step(state: Any, step: async_driver.Step) -> None:
+    def on_step(state: Any, step: buffered_driver.Step) -> None:
         acc = deploy_digits.accuracy(driver.process.get_model_weights(state), test)
         history.append(acc)
         if verbose:
@@ -167,7 +169,7 @@ def run(steps: int = 30, num_clients: int = 20, buffer_size: int = 10, max_stale
             print(f"server {server.url}; {num_clients} clients; K={buffer_size}; data and "
                   f"logs in {work}", flush=True)
         with client_processes(server.url, token, files, max_delay, work) as procs, \
-                async_driver.BufferedDriver(process, server.url, server.admin_token,
+                buffered_driver.BufferedDriver(process, server.url, server.admin_token,
                                             "digits", request_id=SESSION) as driver:
             history = drive(driver, steps, test, verbose, target, timeout)
             driver.close_session()
@@ -190,7 +192,7 @@ def serve(db: str, port: int, admin_token: str, steps: int, buffer_size: int = 1
                   flush=True)
         except protocol.Conflict:
             print("population digits exists", flush=True)
-        with async_driver.BufferedDriver(process, server.url, admin_token, "digits",
+        with buffered_driver.BufferedDriver(process, server.url, admin_token, "digits",
                                          request_id=SESSION, patience=60) as driver:
             driver.start()
             assert driver.resumed is not None

@@ -14,7 +14,6 @@ import pytest
 
 from fedlang import deploy
 from fedlang.core import context
-from fedlang.deploy import http
 
 from .conftest import ROOT, Gated, batch_sum, wait_for
 
@@ -33,7 +32,7 @@ def test_a_killed_server_restarts_and_counts_every_report_once(
     db_url, server_process, client_threads
 ):
     server = server_process(db_url).start()
-    with http.Admin(server.url, server.admin_token) as admin:
+    with deploy.Admin(server.url, server.admin_token) as admin:
         token = admin.create_population("pop")
     n = 6
     gates = [Gated(np.full((2, 3), i + 1)) for i in range(n)]
@@ -108,7 +107,7 @@ def _client_process(url, token, data, log):
 @pytest.mark.slow
 def test_a_round_closes_at_its_quorum_when_clients_are_killed(tmp_path, server_process):
     server = server_process(tmp_path / "store.db").start()
-    with http.Admin(server.url, server.admin_token) as admin:
+    with deploy.Admin(server.url, server.admin_token) as admin:
         token = admin.create_population("pop")
     n, killed = 10, 3
     stuck = tmp_path / "stuck.npz"  # a FIFO nobody writes: these clients hang in their task

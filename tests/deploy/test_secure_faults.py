@@ -19,9 +19,8 @@ import pytest
 import fedlang as fl
 from fedlang import deploy
 from fedlang.core import context
-from fedlang.deploy import client as client_lib
-from fedlang.deploy import http
-from fedlang.deploy import store as store_lib
+from fedlang.deploy.client import client as client_lib
+from fedlang.deploy.store import store as store_lib
 
 from .conftest import ROOT, wait_for
 
@@ -130,7 +129,7 @@ def test_secure_rounds_on_client_processes_equal_the_simulation_and_survive_kill
 ):
     # About 90 s: five rounds of five or six clients; four wait out a stage timeout.
     server = server_process(tmp_path / "store.db", min_retry=0.1).start()
-    admin = http.Admin(server.url, server.admin_token)
+    admin = deploy.Admin(server.url, server.admin_token)
     clients = Clients(tmp_path, admin.create_population("pop"))
     options = {"target": 5, "quorum": 3, "deadline": 150, "stage_timeout": 8}
     try:
@@ -170,7 +169,7 @@ def test_secure_rounds_on_client_processes_equal_the_simulation_and_survive_kill
         wait_for(lambda: gate.waiting[2] == 3, "the victims at stage 2")
         clients.kill(*victims)
         done = driver.join()
-        assert isinstance(done.get("error"), http.RoundFailedError), done
+        assert isinstance(done.get("error"), deploy.RoundFailedError), done
         assert "Expected at least 4 clients to share their keys" in str(done["error"])
         status = admin.status()
         failed = status["rounds"][0]
@@ -195,7 +194,7 @@ def test_a_server_killed_between_stages_and_amid_masked_inputs_continues_the_rou
 ):
     # About 40 s per database: five client processes, the server killed twice.
     server = server_process(db_url, min_retry=0.1).start()
-    admin = http.Admin(server.url, server.admin_token, patience=120)
+    admin = deploy.Admin(server.url, server.admin_token, patience=120)
     clients = Clients(tmp_path, admin.create_population("pop"))
     gate = gates(server.url)
     gate.hold(2)

@@ -1,5 +1,9 @@
 """Deployment: real clients pull their work from a task store; secure aggregation.
 
+The package is grouped by role (see docs/architecture.md): `protocol` (the wire
+contract), `plans/` (what a client runs), `store/` (durable state), `server/` (HTTP),
+`client/` (a device), `driver/` (the training side), `secagg/` and `browser/`.
+
 The same computations that run in simulation run on real clients: the deployment
 runtime (`DeploymentContext`) turns each wave of aggregations into a round, clients run
 the round's task on their own data (`client_data("train")`) and report pre-aggregated
@@ -18,31 +22,31 @@ import importlib as _importlib
 from typing import Any as _Any
 
 from fedlang.deploy import secagg as secagg
-from fedlang.deploy.aggregation import Folder as Folder
-from fedlang.deploy.aggregation import ReportError as ReportError
-from fedlang.deploy.context import ClientDataRef as ClientDataRef
-from fedlang.deploy.context import DeploymentContext as DeploymentContext
-from fedlang.deploy.context import LocalRounds as LocalRounds
-from fedlang.deploy.context import RoundResult as RoundResult
-from fedlang.deploy.context import client_data as client_data
-from fedlang.deploy.plan import DeploymentError as DeploymentError
-from fedlang.deploy.plan import RoundPlan as RoundPlan
+from fedlang.deploy.driver.context import ClientDataRef as ClientDataRef
+from fedlang.deploy.driver.context import DeploymentContext as DeploymentContext
+from fedlang.deploy.driver.context import LocalRounds as LocalRounds
+from fedlang.deploy.driver.context import RoundResult as RoundResult
+from fedlang.deploy.driver.context import client_data as client_data
+from fedlang.deploy.plans.folding import Folder as Folder
+from fedlang.deploy.plans.folding import ReportError as ReportError
+from fedlang.deploy.plans.round import DeploymentError as DeploymentError
+from fedlang.deploy.plans.round import RoundPlan as RoundPlan
 from fedlang.deploy.secagg import SecAggClient as SecAggClient
 from fedlang.deploy.secagg import SecAggError as SecAggError
 from fedlang.deploy.secagg import SecAggServer as SecAggServer
 
 _LAZY = {
-    "Server": "server",
-    "Client": "client",
-    "ServerRounds": "http",
-    "Admin": "http",
-    "RoundFailedError": "http",
-    "ServerUnavailable": "http",
-    "deployment_context": "http",
-    "CohortOptions": "store",
-    "Pace": "store",
-    "BufferedDriver": "async_driver",
-    "BufferedPlan": "async_plan",
+    "Server": "server.serve",
+    "Client": "client.client",
+    "ServerRounds": "driver.rounds",
+    "Admin": "driver.admin",
+    "RoundFailedError": "driver.rounds",
+    "ServerUnavailable": "client.connection",
+    "deployment_context": "driver.rounds",
+    "CohortOptions": "store.rounds",
+    "Pace": "store.store",
+    "BufferedDriver": "driver.buffered",
+    "BufferedPlan": "plans.buffered",
 }
 
 

@@ -1,4 +1,6 @@
-"""The task store's HTTP protocol: its paths, and the errors both sides name.
+"""The task store's wire contract, which the server, its clients and the driver all
+import: the paths, the kinds of task and their states, blob hashes, the body of a secure
+round's masked input, and the errors both sides name.
 
 Every refusal the server gives is one of the `ProtocolError`s below: an HTTP status, a
 short machine-readable `reason` (counted in `GET /v1/status`) and a sentence for people.
@@ -9,12 +11,36 @@ See docs/deploy.md, "The protocol".
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import struct
 
 API = "/v1"
 BLOB_HASH = r"^[0-9a-f]{64}$"  # blobs are named by the SHA-256 of their bytes, in hex
 BINARY = "application/octet-stream"
+
+
+class TaskKind(enum.StrEnum):
+    """What a client's task asks of it (`kind` of a check-in's task and of a round)."""
+
+    AGGREGATE = "aggregate"  # a plain round: upload one report
+    SECURE = "secure"  # a secure round: take part in the four stages of SecAgg+
+    BUFFERED = "buffered"  # a buffered asynchronous (FedBuff) session: one report a version
+
+
+class RoundState(enum.StrEnum):
+    """A round's state: open until its target, quorum or deadline; then closed or failed."""
+
+    OPEN = "open"
+    CLOSED = "closed"
+    FAILED = "failed"
+
+
+class SessionState(enum.StrEnum):
+    """A buffered session's state: open until the driver closes it."""
+
+    OPEN = "open"
+    CLOSED = "closed"
 
 
 def blob_hash(data: bytes) -> str:
@@ -119,6 +145,16 @@ class TooLarge(ProtocolError, ValueError):
     reason = "too_large"
 
 
+class BufferFull(ProtocolError):
+    """A buffered session's current buffer holds its K reports and the driver has not
+    applied it yet: retry shortly (HTTP clients retry a 503 by themselves)."""
+
+    status = 503
+    reason = "buffer_full"
+
+
+# The refusals any route may give, by status (the OpenAPI schema lists them on every
+# route). `BufferFull` is not one: only a buffered upload gives it, and clients retry it.
 ERRORS: dict[int, type[ProtocolError]] = {
     e.status: e for e in (BadRequest, Unauthorized, Forbidden, NotFound, Conflict, Gone, TooLarge)
 }

@@ -10,7 +10,7 @@ import pytest
 
 from fedlang import deploy
 from fedlang.core import context, serialization
-from fedlang.deploy import execution, http
+from fedlang.deploy.plans import execution
 from fedlang.runtime import simulation
 
 from ..conftest import capture
@@ -46,7 +46,7 @@ def test_browsers_and_python_clients_train_together(
     # arrange: a server serving the browser client, 2 pages and 3 Python clients
     shares = digits_clients(5)
     server = server_factory(browser=True)
-    with http.Admin(server.url, server.admin_token) as admin:
+    with deploy.Admin(server.url, server.admin_token) as admin:
         token = admin.create_population("digits")
     browsers = [pages(f"{server.url}/v1/status") for _ in range(2)]
     for page, share in zip(browsers, shares[:2]):
@@ -69,7 +69,7 @@ def test_browsers_and_python_clients_train_together(
     assert [r.reports for r in ctx.rounds] == [5] * ROUNDS
     assert not any(errors)
     # each browser report equals the Python reference computation of the same task
-    with http.Admin(server.url, server.admin_token) as admin:
+    with deploy.Admin(server.url, server.admin_token) as admin:
         for page, share in zip(browsers, shares[:2]):
             _wait(lambda p=page: p.evaluate("window.outcome") is not None, what="the page to stop")
             assert page.evaluate("window.outcome") == {"done": ROUNDS}
@@ -113,7 +113,7 @@ def test_a_browser_that_closes_mid_round_is_a_dropout(
     # back until the page has its task; the round wants 2 reports of 3 assigned clients
     shares = digits_clients(3)
     server = server_factory(browser=True)
-    with http.Admin(server.url, server.admin_token) as admin:
+    with deploy.Admin(server.url, server.admin_token) as admin:
         token = admin.create_population("digits")
     page = pages(f"{server.url}/v1/status")
     page.evaluate(STALLED_CLIENT, ["digits", token])
@@ -121,7 +121,7 @@ def test_a_browser_that_closes_mid_round_is_a_dropout(
     errors = [client_threads(deploy.Client(server.url, "digits", token, {"train": h}, **FAST))
               for h in held]
     process = logreg_process
-    runner = http.ServerRounds(server.url, server.admin_token, "digits", target=2,
+    runner = deploy.ServerRounds(server.url, server.admin_token, "digits", target=2,
                                over_selection=0.5, deadline=120)
     ctx = deploy.DeploymentContext(runner, browser_tasks)
     out = {}
@@ -149,7 +149,7 @@ def test_a_browser_that_closes_mid_round_is_a_dropout(
     (result,) = ctx.rounds
     assert result.reports == 2 and result.details["state"] == "closed"
     assert result.details["assigned"] == 3 and result.details["dropped"] == 1
-    with http.Admin(server.url, server.admin_token) as admin:
+    with deploy.Admin(server.url, server.admin_token) as admin:
         assert admin.status()["dropouts"] == 1
     with context.with_context(simulation.SimulationContext()):
         want, _ = process.next(process.initialize(), [batches(s) for s in shares[:2]])
@@ -216,7 +216,7 @@ def test_a_page_that_uploads_garbage_gets_a_4xx_and_changes_nothing(
     process = logreg_process
     plan, broadcast = capture(process.next, process.initialize(), deploy.client_data("train"))
     plan = browser_tasks(plan, broadcast)
-    with http.Admin(server.url, server.admin_token) as admin:
+    with deploy.Admin(server.url, server.admin_token) as admin:
         token = admin.create_population("digits")
         r = admin.create_round("digits", admin.put_blob(plan.to_bytes()), admin.put_blob(broadcast),
                                target=1, deadline=60, request_id="garbage")
@@ -251,9 +251,13 @@ def test_the_demo_page_trains_on_an_npz_file_the_user_picks(
     np.savez_compressed(tmp_path / "mine.npz", x=share["x"], y=share["y"])
     np.savez(tmp_path / "stored.npz", x=share["x"], y=share["y"])
     server = server_factory(demo_page=True)
-    with http.Admin(server.url, server.admin_token) as admin:
+    with deploy.Admin(server.url, server.admin_token) as admin:
         token = admin.create_population("digits")
     page = pages(f"{server.url}/demo/#population=digits&token={token}")
+    failed, errors = [], []  # nothing the page loads may fail (a missing favicon did)
+    page.on("response", lambda r: r.status >= 400 and failed.append((r.status, r.url)))
+    page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    page.reload()
     # np.savez's stored (zip64) entries read as np.savez_compressed's deflated ones
     stored = base64.b64encode((tmp_path / "stored.npz").read_bytes()).decode()
     arrays = page.evaluate(
@@ -265,21 +269,31 @@ def test_the_demo_page_trains_on_an_npz_file_the_user_picks(
     page.set_input_files("#file", str(tmp_path / "mine.npz"))
     page.click("#start")
     process = logreg_process
-    runner = http.ServerRounds(server.url, server.admin_token, "digits", target=1, deadline=120)
+    runner = deploy.ServerRounds(server.url, server.admin_token, "digits", target=1, deadline=120)
     with context.with_context(deploy.DeploymentContext(runner, browser_tasks)):
         process.next(process.initialize(), deploy.client_data("train"))
     runner.finish()
     runner.close()
     page.wait_for_function("document.getElementById('reports').textContent === '1'")
     page.wait_for_function("document.getElementById('status').textContent.startsWith('Done')")
-    assert "round 1: report accepted" in page.text_content("#log")
+    assert "round 1: report accepted (loss " in page.text_content("#log")
+    # the page shows its own training loss and accuracy: its report's statistics, divided
+    plan, broadcast = capture(process.next, process.initialize(), deploy.client_data("train"))
+    report = execution.run_plan(plan, broadcast, {"train": batches(share)})
+    stats = serialization.deserialize_value(report, expected_type=plan.report_type)[1]
+    loss = float(stats["loss_sum"]) / float(stats["num_examples"])
+    accuracy = float(stats["metrics"]["accuracy"]["correct"]) / float(stats["metrics"]["accuracy"]["count"])
+    assert float(page.text_content("#loss")) == pytest.approx(loss, abs=2e-4)
+    assert float(page.text_content("#accuracy")) == pytest.approx(accuracy, abs=2e-4)
+    assert 0 < accuracy < 1 and loss > 0
+    assert failed == [] and errors == [], (failed, errors)
 
 
 def test_a_page_rides_out_a_server_restart(serve_process, pages, logreg_process, browser_tasks):
     # arrange: a page checking in with a server that then dies (kill -9)
     (share,) = digits_clients(1, per_client=60)
     server = serve_process.start()
-    with http.Admin(server.url, server.admin_token) as admin:
+    with deploy.Admin(server.url, server.admin_token) as admin:
         token = admin.create_population("digits")
         public_key = base64.b64decode(admin.status()["server"]["public_key"])
     page = pages(f"{server.url}/v1/status")
@@ -292,7 +306,7 @@ def test_a_page_rides_out_a_server_restart(serve_process, pages, logreg_process,
     # act: the server comes back on the same database; the driver opens a round
     server.start()
     process = logreg_process
-    runner = http.ServerRounds(server.url, server.admin_token, "digits", target=1, deadline=120)
+    runner = deploy.ServerRounds(server.url, server.admin_token, "digits", target=1, deadline=120)
     with context.with_context(deploy.DeploymentContext(runner, browser_tasks)):
         state, _ = process.next(process.initialize(), deploy.client_data("train"))
     runner.finish()
@@ -300,7 +314,7 @@ def test_a_page_rides_out_a_server_restart(serve_process, pages, logreg_process,
     # assert: the page kept its credential and pinned key, and reported the round
     _wait(lambda: page.evaluate("window.outcome") is not None, what="the page to stop")
     assert page.evaluate("window.outcome") == {"done": 1}
-    with http.Admin(server.url, server.admin_token) as admin:
+    with deploy.Admin(server.url, server.admin_token) as admin:
         status = admin.status()
     assert status["enrollments"] == 1 and status["reports"]["accepted"] == 1
     assert base64.b64decode(status["server"]["public_key"]) == public_key

@@ -30,6 +30,11 @@ def test_the_demo_page_is_served_on_request(server_factory, ort_assets):
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert 'src="demo.js"' in page.text
         assert http.get("/browser/npz.js").status_code == 200
+        # a declared icon, served: browsers asked for /favicon.ico and logged its 404
+        assert '<link rel="icon" href="favicon.svg" type="image/svg+xml">' in page.text
+        icon = http.get("/demo/favicon.svg")
+        assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+        assert icon.text.startswith("<svg")
 
 
 def test_a_server_without_onnxruntime_web_says_how_to_get_it(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 import fedlang as fl
 from fedlang import deploy
 from fedlang.core import serialization
-from fedlang.deploy import execution
+from fedlang.deploy.plans import execution
 
 from ..conftest import capture
 from .conftest import batches, digits_clients

@@ -11,7 +11,7 @@ import pytest
 
 import fedlang as fl
 from fedlang import deploy
-from fedlang.deploy import plan as plan_lib
+from fedlang.deploy.plans import round as plan_lib
 from fedlang.learning import algorithms, models
 
 from ..conftest import ROOT, capture

@@ -20,6 +20,7 @@ from typing import Any
 from fedlang.deploy.browser import assets
 
 _TYPES = {".js": "text/javascript", ".mjs": "text/javascript", ".wasm": "application/wasm",
+          ".svg": "image/svg+xml",
           ".html": "text/html; charset=utf-8", ".css": "text/css", ".txt": "text/plain"}
 
 

@@ -37,8 +37,8 @@ import numpy as np
 
 from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import intrinsic_defs, ir, local, serialization, structure, types
-from fedlang.deploy import plan as plan_lib
 from fedlang.deploy.browser import onnx_export
+from fedlang.deploy.plans import round as plan_lib
 
 FORMAT = "fedlang-browser-task"
 VERSION = 1

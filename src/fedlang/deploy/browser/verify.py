@@ -29,10 +29,10 @@ import numpy as np
 
 from fedlang.core import context as core_context
 from fedlang.core import structure, types
-from fedlang.deploy import aggregation
-from fedlang.deploy import context as deploy_context
-from fedlang.deploy import plan as plan_lib
 from fedlang.deploy.browser import onnx_export, runner, task
+from fedlang.deploy.driver import context as deploy_context
+from fedlang.deploy.plans import folding
+from fedlang.deploy.plans import round as plan_lib
 
 BrowserExportError = onnx_export.BrowserExportError
 BATCH_SIZES = (1, 7)
@@ -177,7 +177,7 @@ class _Checking:
 
     def run_round(self, round_plan: plan_lib.RoundPlan, broadcast: bytes) -> deploy_context.RoundResult:
         self.sections.append(self.tasks.section(round_plan, broadcast))
-        return deploy_context.RoundResult(aggregation.Folder(round_plan).empty(), 0, 0.0)
+        return deploy_context.RoundResult(folding.Folder(round_plan).empty(), 0, 0.0)
 
 
 def preflight(comp: Any, *args: Any, tasks: BrowserTasks | None = None) -> list[dict[str, Any]]:

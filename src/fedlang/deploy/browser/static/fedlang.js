@@ -160,6 +160,31 @@ export function readValue(bytes) {
   return out;
 }
 
+// A value in the binary value format as nested objects, its struct fields by name: a
+// struct whose fields all have names is an object, another struct an array, a tensor
+// {dtype, shape, data} (what `readValue` returns, in place).
+export function readStructured(bytes) {
+  const leaves = readValue(bytes);  // checks the format and the CRC
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  const headLen = view.getUint32(7, true);
+  const header = JSON.parse(new TextDecoder().decode(bytes.subarray(11, 11 + headLen)));
+  let next = 0;
+  const take = (v) => {  // the leaves of `v`, in readValue's order
+    if (Array.isArray(v)) return v.flatMap(take);
+    return [leaves[next++]];
+  };
+  const build = (t, v) => {
+    if (t.t !== "struct") {
+      const taken = take(v);
+      return t.t === "tensor" ? taken[0] : taken;
+    }
+    const fields = t.fields.map(([name, ft], i) => [name, build(ft, v[i])]);
+    return fields.length && fields.every(([name]) => name !== null)
+      ? Object.fromEntries(fields) : fields.map(([, x]) => x);
+  };
+  return build(header.types[header.type], header.value);
+}
+
 // A value in the binary value format from a header template and its tensors.
 export function writeValue(template, leaves) {
   const header = JSON.parse(JSON.stringify(template));

@@ -1,0 +1,343 @@
+"""A deployment client: a stateless executor that pulls tasks and pushes reports.
+
+It only ever connects out: enroll once with the population's token (the credential and
+the server's public key can be kept in a file), then loop: check in; if given a task,
+download its signed plan and broadcast value by hash (cached), verify the plan against
+the pinned key, run it on the client's own data (`execution.run_plan`, the simulation
+runtime's local execution) and upload the report; otherwise wait as long as the server
+says (pace steering). Every request retries with exponential backoff and jitter, so a
+client rides out a server restart; a rejected credential makes it enroll again.
+
+A task of a secure round (its plan has secure aggregations) runs the plan once
+(`execution.run_plan_parts`) and then takes part in the four stages of SecAgg+: the
+client fetches each stage's request, answers it with its `secagg.SecAggClient`, and
+waits as the server says for the next stage. Its inputs to the secure aggregations only
+ever leave it masked; its plain report travels with its masked input. The protocol's
+keys live in memory only: a client that restarts mid-round has left that round (a
+dropout, which the protocol handles) and waits for the next one.
+
+A task of a buffered (asynchronous, FedBuff) session (`kind` "buffered") names a model
+version: the client verifies the session's plan (`plans.buffered.BufferedPlan`), trains it
+on its data from that version's weights and uploads the raw report for that version; a
+refusal as stale is logged, and the client checks in for the current version.
+
+A client's data are given by name (`data={"train": ...}`), each as a dataset (any
+iterable of batches of the type the task expects, e.g. a `fedlang.simulation` dataset)
+or as the path of an `.npz` file: its arrays (e.g. `x` and `y`, in the file's order)
+are the fields of each element, cut into batches of `batch_size` rows. Data are opened
+when a task runs, not before.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import pathlib
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from fedlang.core import signing
+from fedlang.deploy import protocol, secagg
+from fedlang.deploy.client import connection as connection_lib
+from fedlang.deploy.plans import cache, execution
+from fedlang.deploy.plans import round as plan_lib
+
+log = logging.getLogger("fedlang.deploy.client")
+
+
+class NpzDataset:
+    """The rows of an `.npz` file's arrays, in batches (the file is read when iterated).
+
+    Each element is a dict of the file's arrays (in their order in the file), row by row.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], batch_size: int = 20):
+        if batch_size < 1:
+            raise ValueError(f"Expected a batch size of at least 1, found {batch_size}.")
+        self.path = pathlib.Path(path)
+        self.batch_size = batch_size
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        with np.load(self.path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+        lengths = {len(a) for a in arrays.values()}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"Expected the arrays of {self.path} to have as many rows each, found "
+                f"{ {k: len(a) for k, a in arrays.items()} }."
+            )
+        (n,) = lengths
+        for start in range(0, n, self.batch_size):
+            yield {k: a[start : start + self.batch_size] for k, a in arrays.items()}
+
+
+def _dataset(value: Any, batch_size: int) -> Any:
+    if isinstance(value, str | os.PathLike):
+        path = pathlib.Path(value)
+        if path.suffix != ".npz":
+            raise ValueError(
+                f"Expected client data as an .npz file of arrays (e.g. x and y), found {path}."
+            )
+        return NpzDataset(path, batch_size)
+    return value
+
+
+class Client:
+    """A deployment client (see the module docstring).
+
+    Args:
+      server: the server's URL.
+      population: the population to enroll in.
+      token: the population's enrollment token (not needed once `credential_file` holds
+        a credential).
+      data: the client's datasets by name (datasets or `.npz` paths).
+      batch_size: rows per batch of `.npz` data.
+      credential_file: where to keep the credential and the pinned key between runs.
+      public_key: the server's Ed25519 public key (32 bytes), pinned in advance; default:
+        the one the server gives at enrollment (trust on first use).
+      max_tasks: stop after this many reports (default: run until the population is
+        finished or `stop()` is called).
+      patience: seconds to keep retrying an unreachable server.
+      connection: more options of `connection.Connection` (`timeout`, `verify`, `backoff`).
+    """
+
+    def __init__(
+        self,
+        server: str,
+        population: str,
+        token: str | None = None,
+        data: Mapping[str, Any] | None = None,
+        *,
+        batch_size: int = 20,
+        credential_file: str | os.PathLike[str] | None = None,
+        public_key: bytes | None = None,
+        max_tasks: int | None = None,
+        patience: float = 300.0,
+        **connection: Any,
+    ):
+        self.connection = connection_lib.Connection(server, patience=patience, **connection)
+        self.population = population
+        self.token = token
+        self.data = {k: _dataset(v, batch_size) for k, v in (data or {}).items()}
+        self.credential_file = pathlib.Path(credential_file) if credential_file else None
+        self.pinned = public_key
+        self.max_tasks = max_tasks
+        self.client_id: str | None = None
+        self.credential: str | None = None
+        self.tasks_done = 0
+        self._blobs: dict[str, bytes] = {}
+        self._plans: cache.VerifiedPlans | None = None
+        self._left: set[int] = set()  # secure rounds this client can no longer take part in
+        self._stop = threading.Event()
+        if self.credential_file and self.credential_file.exists():
+            self._load_credential()
+
+    # -- enrollment
+
+    def _load_credential(self) -> None:
+        assert self.credential_file is not None
+        doc = json.loads(self.credential_file.read_text())
+        self.client_id, self.credential = doc["client_id"], doc["credential"]
+        self._pin(base64.b64decode(doc["public_key"]))
+
+    def _pin(self, key: bytes) -> None:
+        if self.pinned is not None and key != self.pinned:
+            raise signing.SignatureError(
+                f"Expected the server's public key {base64.b64encode(self.pinned).decode()} "
+                f"(pinned), found {base64.b64encode(key).decode()}; this is not the server this "
+                "client enrolled with."
+            )
+        self.pinned = key
+
+    def enroll(self) -> str:
+        """Enrolls with the population's token; returns the client id."""
+        if self.token is None:
+            raise protocol.Unauthorized(
+                f"Expected an enrollment token for population {self.population!r} (this client "
+                "has no valid credential), found none; pass token=... (--token)."
+            )
+        doc = self.connection.json(
+            "POST", f"{protocol.API}/populations/{self.population}/enroll", token=self.token
+        )
+        self._pin(base64.b64decode(doc["public_key"]))
+        self.client_id, self.credential = doc["client_id"], doc["credential"]
+        if self.credential_file is not None:
+            fd = os.open(self.credential_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({**doc, "server": self.connection.url, "population": self.population}, f)
+        log.info("enrolled as %s", self.client_id)
+        return doc["client_id"]
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """A request with the credential; enrolls (again) when it is missing or refused."""
+        if self.credential is None:
+            self.enroll()
+        try:
+            return self.connection.request(method, path, token=self.credential, **kwargs)
+        except protocol.Unauthorized:
+            if self.token is None:
+                raise
+            self.enroll()
+            return self.connection.request(method, path, token=self.credential, **kwargs)
+
+    # -- the loop
+
+    def stop(self) -> None:
+        """Stops `run` after the current step."""
+        self._stop.set()
+
+    def run(self) -> int:
+        """Checks in and runs tasks until a stop condition; returns the tasks done."""
+        while not self._stop.is_set():
+            if self.max_tasks is not None and self.tasks_done >= self.max_tasks:
+                break
+            answer = self._request("POST", f"{protocol.API}/checkin").json()
+            if answer.get("finished"):
+                log.info("the population is finished")
+                break
+            task = answer.get("task")
+            if task is None:
+                self._stop.wait(float(answer.get("retry_after") or 1.0))
+                continue
+            buffered = task.get("kind") == protocol.TaskKind.BUFFERED
+            if not buffered and task["round"] in self._left:  # assigned until its stage closes
+                self._stop.wait(1.0)
+                continue
+            self.run_task(task)
+        return self.tasks_done
+
+    def run_task(self, task: Mapping[str, Any]) -> bool:
+        """Runs one task and uploads the report (or, in a secure round, takes part in its
+        stages); returns whether the report (the masked input) was accepted."""
+        if task.get("kind") == protocol.TaskKind.BUFFERED:
+            return self._run_buffered(task)
+        round_plan = self._plan(task["plan"])
+        broadcast = self._blob(task["broadcast"])
+        if task.get("kind") == protocol.TaskKind.SECURE or round_plan.secure:
+            return self._run_secure(task["round"], round_plan, broadcast)
+        report = execution.run_plan(round_plan, broadcast, self.data)
+        try:
+            self._request(
+                "PUT", f"{protocol.API}/rounds/{task['round']}/report", content=report,
+                headers={"Content-Type": protocol.BINARY},
+            )
+        except (protocol.Gone, protocol.Conflict, protocol.Forbidden) as e:
+            log.warning("report for round %s refused: %s", task["round"], e)
+            return False
+        self.tasks_done += 1
+        log.info("reported for round %s", task["round"])
+        return True
+
+    def _run_buffered(self, task: Mapping[str, Any]) -> bool:
+        """Trains the task's model version of a buffered session and uploads the report
+        for that version; returns whether it was accepted (a stale one is refused)."""
+        plan = self._verified().buffered(task["plan"])
+        report = plan.run(self._blob(task["broadcast"]), self.data)
+        session, version = task["round"], task["version"]
+        try:
+            self._request(
+                "PUT", f"{protocol.API}/sessions/{session}/reports/{version}", content=report,
+                headers={"Content-Type": protocol.BINARY},
+            )
+        except (protocol.Gone, protocol.Conflict, protocol.Forbidden) as e:
+            log.warning("report for version %s of session %s refused: %s", version, session, e)
+            return False
+        self.tasks_done += 1
+        log.info("reported for version %s of session %s", version, session)
+        return True
+
+    def _run_secure(self, round_id: int, round_plan: plan_lib.RoundPlan, broadcast: bytes) -> bool:
+        """Takes part in a secure round's stages until it has nothing more to do there."""
+        path = f"{protocol.API}/rounds/{round_id}/secagg"
+        sa: secagg.SecAggClient | None = None
+        parts: execution.ClientReport | None = None
+        counted = False
+        while not self._stop.is_set():
+            try:
+                step = self._request("GET", path).json()
+            except (protocol.Gone, protocol.Conflict, protocol.Forbidden, protocol.NotFound) as e:
+                log.warning("round %s: leaving: %s", round_id, e)
+                break
+            if step.get("finished"):
+                log.info("round %s: nothing more to do (the round is %s)", round_id,
+                         step.get("state"))
+                break
+            if step.get("request") is None:
+                self._stop.wait(float(step.get("retry_after") or 1.0))
+                continue
+            stage, request = int(step["stage"]), base64.b64decode(step["request"])
+            try:
+                if stage == secagg.Stage.ADVERTISE_KEYS:
+                    parts = execution.run_plan_parts(round_plan, broadcast, self.data)
+                    assert self.client_id is not None  # set at enrollment
+                    sa = secagg.SecAggClient(self.client_id, request)
+                    message = sa.advertise_keys()
+                elif sa is None or parts is None:
+                    log.warning("round %s: this client lost its keys for the round (it "
+                                "restarted); leaving it", round_id)
+                    break
+                elif stage == secagg.Stage.SHARE_KEYS:
+                    message = sa.share_keys(request)
+                elif stage == secagg.Stage.MASKED_INPUT:
+                    masked = sa.masked_input(request, parts.secure)
+                    message = protocol.pack_masked_input(parts.report, masked)
+                else:
+                    message = sa.unmask(request)
+            except secagg.SecAggError as e:
+                log.warning("round %s: refusing the server's stage %s request: %s",
+                            round_id, stage, e)
+                break
+            try:
+                self._request(
+                    "PUT", f"{path}/{stage}", content=message,
+                    headers={"Content-Type": protocol.BINARY},
+                )
+            except (protocol.Gone, protocol.Conflict, protocol.Forbidden,
+                    protocol.BadRequest) as e:
+                log.warning("round %s: stage %s answer refused: %s", round_id, stage, e)
+                break
+            counted = counted or stage == secagg.Stage.MASKED_INPUT
+            log.info("round %s: answered stage %s", round_id, stage)
+        if not counted:
+            self._left.add(round_id)
+            return False
+        self.tasks_done += 1
+        return True
+
+    def _blob(self, h: str) -> bytes:
+        if h not in self._blobs:
+            data = self._request("GET", f"{protocol.API}/blobs/{h}").content
+            if protocol.blob_hash(data) != h:
+                raise protocol.BadRequest(
+                    f"Expected blob {h} from the server, found bytes with another hash."
+                )
+            if len(self._blobs) > 16:  # a plan and a broadcast per round: keep a few
+                self._blobs.pop(next(iter(self._blobs)))
+            self._blobs[h] = data
+        return self._blobs[h]
+
+    def _plan(self, h: str) -> plan_lib.RoundPlan:
+        """The verified round plan in blob `h`."""
+        return self._verified().round(h)
+
+    def _verified(self) -> cache.VerifiedPlans:
+        """The plans this client verified against the pinned key (kept: rounds of one
+        computation share a plan, and its compiled programs)."""
+        assert self.pinned is not None  # set at enrollment
+        if self._plans is None or self._plans.public_key != self.pinned:
+            self._plans = cache.VerifiedPlans(self._blob, self.pinned, size=2)
+        return self._plans
+
+    def close(self) -> None:
+        self.connection.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

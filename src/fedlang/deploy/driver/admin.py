@@ -1,0 +1,69 @@
+"""The driver's side of the admin endpoints (bearer admin token): populations, blobs,
+rounds, the status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedlang.deploy import protocol
+from fedlang.deploy.client import connection as connection_lib
+
+
+class Admin:
+    """The admin endpoints (bearer admin token)."""
+
+    def __init__(
+        self, url: str | connection_lib.Connection, admin_token: str, **connection: Any
+    ):
+        if not isinstance(url, connection_lib.Connection):
+            url = connection_lib.Connection(url, **connection)
+        self.connection = url
+        self.token = admin_token
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self.connection.json(method, protocol.API + path, token=self.token, **kwargs)
+
+    def create_population(self, name: str) -> str:
+        """Creates a population; returns its enrollment token."""
+        return self._json("POST", "/admin/populations", json={"name": name})["token"]
+
+    def populations(self) -> list[dict[str, Any]]:
+        return self._json("GET", "/admin/populations")
+
+    def finish_population(self, name: str) -> None:
+        """Tells the population's clients to stop at their next check-in."""
+        self._json("POST", f"/admin/populations/{name}/finish")
+
+    def put_blob(self, data: bytes) -> str:
+        """Uploads a blob; returns its hash."""
+        return self._json(
+            "POST", "/admin/blobs", content=data, headers={"Content-Type": protocol.BINARY}
+        )["hash"]
+
+    def create_round(self, population: str, plan: str, broadcast: str, **options: Any) -> Any:
+        body = {"population": population, "plan": plan, "broadcast": broadcast, **options}
+        return self._json("POST", "/admin/rounds", json=body)
+
+    def round(self, round_id: int, wait: float = 0.0, seen: int = -1) -> dict[str, Any]:
+        return self._json(
+            "GET", f"/admin/rounds/{round_id}", params={"wait": wait, "seen": seen},
+            timeout=(self.connection.http.timeout.read or 60.0) + wait,
+        )
+
+    def aggregate(self, round_id: int) -> bytes:
+        return self.connection.request(
+            "GET", f"{protocol.API}/admin/rounds/{round_id}/aggregate", token=self.token
+        ).content
+
+    def status(self) -> dict[str, Any]:
+        return self.connection.json("GET", f"{protocol.API}/status")
+
+    def close(self) -> None:
+        self.connection.close()
+
+    def __enter__(self) -> Admin:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+

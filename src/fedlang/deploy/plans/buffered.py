@@ -1,0 +1,221 @@
+"""The task of a buffered (asynchronous, FedBuff) session: one client trains one model
+version.
+
+A synchronous round's plan (`plans.round.RoundPlan`) ends in aggregations, and a client
+reports pre-aggregated partials. A buffered session (FedBuff) has no round: each client
+trains the model version it downloaded and reports its raw result, which the server's
+driver folds into a buffer of K reports (`driver.buffered`). So its task is a separate
+kind, a one-client "collect":
+
+* `task`: a federated computation over one client,
+  `(<D@CLIENTS, W@SERVER> -> {R}@CLIENTS)`: the process's `train` local computation
+  `(model_weights W, dataset D) -> report R`, mapped over the client's own dataset with
+  the broadcast weights. It serializes like a round's task (StableHLO for its JAX
+  programs) and is signed by the server like a round plan.
+* `data_name`: the client dataset it reads (e.g. `train`);
+* `weights_type`, `report_type`: the types of what the client downloads (a model
+  version's weights) and uploads.
+
+Clients run it with the simulation runtime's local execution (`run`); the server checks
+every upload with explicit limits before storing it (`check`): the exact report type,
+at most the bytes that type can take, finite floats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any, cast
+
+from fedlang.core import computation, serialization, signing, structure, tracing, types
+from fedlang.core import operators as ops
+from fedlang.deploy import protocol
+from fedlang.deploy.plans import folding
+from fedlang.deploy.plans import round as plan
+from fedlang.runtime import simulation
+
+PLAN_KIND = protocol.TaskKind.BUFFERED
+PLAN_VERSION = 1
+
+
+def _function_type(train: Any) -> types.FunctionType:
+    t = getattr(train, "type_signature", None)
+    if not isinstance(t, types.FunctionType):
+        raise TypeError(
+            f"Expected `train` to be a local computation (model_weights, dataset) -> report, "
+            f"found {type(train).__name__}; pass the process's `train`."
+        )
+    p = t.parameter
+    if not (isinstance(p, types.StructType) and len(p.types) == 2):
+        raise TypeError(
+            f"Expected `train` to take two arguments (model_weights, dataset), found a "
+            f"parameter of type {p}."
+        )
+    for member in (*p.types, t.result):
+        if isinstance(member, types.FederatedType):
+            raise TypeError(
+                f"Expected `train` to be a local computation (no placements), found type {t}; "
+                "a buffered session ships it to one client at a time."
+            )
+    if not isinstance(p.types[1], types.SequenceType):
+        raise TypeError(
+            f"Expected `train`'s second argument to be the client's dataset (a sequence), "
+            f"found {p.types[1]}."
+        )
+    return t
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferedPlan:
+    """What a client of a buffered session runs (see the module docstring)."""
+
+    task: computation.Computation
+    data_name: str
+    weights_type: types.Type
+    report_type: types.Type
+
+    @staticmethod
+    def build(train: Any, data_name: str = "train") -> BufferedPlan:
+        """The plan of `train`, a local computation `(model_weights, dataset) -> report`.
+
+        Raises:
+          TypeError: if `train` is not such a computation.
+          ValueError: if `data_name` is not a dataset name.
+        """
+        if not (isinstance(data_name, str) and data_name.isidentifier()):
+            raise ValueError(f"Expected a client data name such as 'train', found {data_name!r}.")
+        t = _function_type(train)
+        p = cast(types.StructType, t.parameter)
+        weights_t, data_t = p.types
+        names = p.names
+
+        def client_task(data: Any, weights: Any) -> Any:
+            parts = (ops.federated_broadcast(weights), data)
+            if all(n is not None for n in names):
+                zipped = ops.federated_zip(dict(zip(names, parts)))
+            else:
+                zipped = ops.federated_zip(parts)
+            return ops.federated_map(train, zipped)
+
+        task = tracing.trace(
+            client_task,
+            (types.FederatedType(data_t, types.CLIENTS),
+             types.FederatedType(weights_t, types.SERVER)),
+            name="buffered_client_task",
+        )
+        return BufferedPlan(task, data_name, weights_t, t.result)
+
+    @property
+    def max_report_bytes(self) -> int:
+        """The most tensor bytes a report of `report_type` can hold (unknown dims: 2^20)."""
+        return folding.max_bytes(self.report_type)
+
+    @property
+    def broadcast_type(self) -> types.Type:
+        """The type of what a client downloads with its task: a model version's weights."""
+        return self.weights_type
+
+    def to_bytes(self) -> bytes:
+        """The plan as bytes (JSON with the binary format embedded, base64)."""
+        return json.dumps({
+            "kind": PLAN_KIND,
+            "version": PLAN_VERSION,
+            "task": plan.b64(self.task.to_bytes()),
+            "data": self.data_name,
+            "weights_type": plan.b64(serialization.serialize_type(self.weights_type)),
+            "report_type": plan.b64(serialization.serialize_type(self.report_type)),
+        }, separators=(",", ":")).encode()
+
+    @staticmethod
+    def from_bytes(data: bytes) -> BufferedPlan:
+        """Reads a plan written by `to_bytes` from a trusted source (its signature was
+        checked, or this process wrote it).
+
+        Raises:
+          SerializationError: if the bytes are not a valid buffered plan.
+        """
+        try:
+            doc = json.loads(bytes(data).decode())
+            if not (isinstance(doc, dict) and doc.get("kind") == PLAN_KIND
+                    and doc.get("version") == PLAN_VERSION):
+                raise serialization.malformed(
+                    f"a buffered-session plan of version {PLAN_VERSION}", repr(doc)[:60]
+                )
+            task = serialization.deserialize_computation(plan.unb64(doc["task"]), trusted=True)
+            name = doc["data"]
+            if not (isinstance(name, str) and name.isidentifier()):
+                raise serialization.malformed("a client data name", repr(name)[:60])
+            weights_t = serialization.deserialize_type(plan.unb64(doc["weights_type"]))
+            report_t = serialization.deserialize_type(plan.unb64(doc["report_type"]))
+        except serialization.SerializationError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise serialization.malformed("a buffered-session plan", f"{type(e).__name__}: {e}") from e
+        want = types.FunctionType(
+            types.StructType([types.FederatedType(_data_type(task), types.CLIENTS),
+                              types.FederatedType(weights_t, types.SERVER)]),
+            types.FederatedType(report_t, types.CLIENTS),
+        )
+        if not want.is_assignable_from(task.type_signature):
+            raise serialization.malformed(f"a task of type {want}", task.type_signature)
+        return BufferedPlan(task, name, weights_t, report_t)
+
+    def check(self, report: bytes) -> Any:
+        """Decodes one client's uploaded report (untrusted bytes) with explicit limits.
+
+        Returns:
+          The report (Python containers of NumPy arrays, as `deserialize_value` gives).
+
+        Raises:
+          ReportError: if it is larger than the report type allows, of another type,
+            malformed, or holds NaN or infinity.
+        """
+        value = folding.read_report(report, self.report_type)
+        folding.check_finite(
+            structure.to_internal(value, self.report_type), self.report_type, "the report"
+        )
+        return value
+
+    def run(
+        self,
+        weights: bytes,
+        data: Mapping[str, Any],
+        context: simulation.SimulationContext | None = None,
+    ) -> bytes:
+        """This client's report: `train` on its own dataset from the downloaded weights.
+
+        Args:
+          weights: the serialized model weights of the version the client trains.
+          data: the client's own datasets by name.
+          context: the runtime to run the task on (default: a simulation context).
+
+        Raises:
+          KeyError: if the client has no dataset named `data_name`.
+          SerializationError: if `weights` are not of the plan's weights type.
+        """
+        if self.data_name not in data:
+            raise KeyError(
+                f"The task reads client data {self.data_name!r}, but this client has "
+                f"{sorted(data)}. Start the client with --data {self.data_name}=PATH."
+            )
+        value = serialization.deserialize_value(weights, expected_type=self.weights_type)
+        ctx = context or simulation.SimulationContext(chunk_size=1)
+        with ctx:
+            (report,) = ctx.invoke(self.task, ([data[self.data_name]], value))
+        return serialization.serialize_value(report, self.report_type)
+
+
+def _data_type(task: computation.Computation) -> types.Type:
+    p = cast(types.StructType, task.type_signature.parameter)  # type: ignore[attr-defined]
+    return cast(types.FederatedType, p.types[0]).member
+
+
+def load(signed_plan: bytes, public_key: Any) -> BufferedPlan:
+    """The plan in `signed_plan`, once its signature verifies against the pinned key.
+
+    Raises:
+      SignatureError: if it was not signed by `public_key`'s owner.
+      SerializationError: if it is not a valid buffered plan.
+    """
+    return BufferedPlan.from_bytes(signing.verify(signed_plan, public_key))

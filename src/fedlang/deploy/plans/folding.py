@@ -1,0 +1,194 @@
+"""Folding client reports into a round's aggregate, as the task store's server does.
+
+A client's report is one partial aggregate per aggregation of the round
+(`RoundPlan.report_type`): its own value folded into each aggregation's accumulator. The
+server keeps the round's running aggregate as bytes (in the same database transaction
+that records a report) and folds each accepted report into it; memory never grows with
+the cohort. Reports come from clients the server does not trust, so `check` decodes them
+with explicit limits and refuses anything that is not exactly one client's well-formed,
+finite contribution.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from fedlang.core import serialization, structure, types
+from fedlang.deploy.plans import round as plan_lib
+
+
+class ReportError(ValueError):
+    """A client's report that the server refuses (the client gets a 4xx with this text).
+
+    `reason` names the kind of refusal for the server's counters: `malformed`,
+    `too_large`, `non_finite` or `not_one_client`.
+    """
+
+    def __init__(self, message: str, reason: str = "malformed"):
+        super().__init__(message)
+        self.reason = reason
+
+
+class Folder:
+    """Folds reports of one round (see the module docstring).
+
+    A round's aggregate holds every aggregation's partial (`RoundPlan.aggregate_type`).
+    A client's plain report holds the partials of the aggregations that are not secure
+    (`RoundPlan.report_type`); the inputs of secure ones are summed by SecAgg+ and folded
+    in at once when the protocol ends (`fold_secure`).
+
+    Args:
+      round_plan: the round's plan (or its bytes, from a trusted source).
+    """
+
+    def __init__(self, round_plan: plan_lib.RoundPlan | bytes):
+        if not isinstance(round_plan, plan_lib.RoundPlan):
+            round_plan = plan_lib.RoundPlan.from_bytes(round_plan)
+        self.plan = round_plan
+        self.aggregate_type = round_plan.aggregate_type
+        self.report_type = round_plan.report_type
+        self.secure = round_plan.secure
+        self.plain = tuple(i for i in range(len(round_plan.aggregations)) if i not in self.secure)
+        self.max_report_bytes = max_bytes(self.report_type)
+
+    def _accumulators(self, aggregate: bytes | None = None) -> list[Any]:
+        accumulators = [a.make() for a in self.plan.aggregations]
+        if aggregate is not None:
+            value = self._decode(aggregate, self.aggregate_type, None, "an aggregate")
+            for acc, partial in zip(accumulators, value):
+                acc.merge(partial)
+        return accumulators
+
+    def _serialize(self, accumulators: Sequence[Any]) -> bytes:
+        partial = tuple(acc.partial() for acc in accumulators)
+        python = structure.to_python(partial, self.aggregate_type)
+        return serialization.serialize_value(python, self.aggregate_type)
+
+    @staticmethod
+    def _decode(data: bytes, t: types.StructType, limit: int | None, what: str) -> Any:
+        return structure.to_internal(decode(data, t, limit, what), t)
+
+    def empty(self) -> bytes:
+        """The aggregate of no reports."""
+        return self._serialize(self._accumulators())
+
+    def check(self, report: bytes) -> Any:
+        """Decodes and validates one client's plain report; returns it in internal form.
+
+        Raises:
+          ReportError: if the report is malformed, of another type, too large, not
+            finite, or not exactly one client's contribution.
+        """
+        value = structure.to_internal(read_report(report, self.report_type), self.report_type)
+        for i, partial, t in zip(self.plain, value, self.report_type.types):
+            _check_one_client(partial, t, f"aggregation {i} ({self.plan.aggregations[i].uri})")
+        return value
+
+    def fold(self, aggregate: bytes, report: Any) -> bytes:
+        """The aggregate with one checked plain report folded in."""
+        accumulators = self._accumulators(aggregate)
+        for i, partial in zip(self.plain, report):
+            accumulators[i].merge(partial)
+        return self._serialize(accumulators)
+
+    def fold_secure(self, aggregate: bytes, sums: Sequence[Any], num_clients: int) -> bytes:
+        """The aggregate with the secure aggregations' sums over `num_clients` clients
+        (what SecAgg+ revealed: one flat array per secure tensor, in `secure_segments`
+        order) folded in."""
+        accumulators = self._accumulators(aggregate)
+        flat = iter(sums)
+        for i in self.secure:
+            client_t = self.plan.aggregations[i].client_type
+            totals = tuple(
+                np.asarray(next(flat), np.uint64).reshape([d or 0 for d in lt.shape])
+                for lt in structure.leaf_types(client_t)
+            )
+            accumulators[i].merge((totals, np.int64(num_clients)))
+        return self._serialize(accumulators)
+
+    def results(self, aggregate: bytes) -> list[Any]:
+        """Each aggregation's result (internal form) from the round's final aggregate."""
+        return [acc.result() for acc in self._accumulators(aggregate)]
+
+    def count(self, aggregate: bytes) -> int | None:
+        """How many reports an aggregate holds, when its partials count them."""
+        value = self._decode(aggregate, self.aggregate_type, None, "an aggregate")
+        for partial, t in zip(value, self.aggregate_type.types):
+            if isinstance(t, types.StructType) and "count" in t.names:
+                return int(partial[t.names.index("count")])
+        return None
+
+
+def read_report(report: bytes, t: types.Type) -> Any:
+    """Decodes one client's report of type `t` (untrusted bytes) with explicit limits:
+    at most the bytes `t` can hold (`max_bytes`, plus 1 MiB of framing), exactly type `t`.
+    Returns it as `deserialize_value` gives it (Python containers of NumPy arrays).
+
+    Raises:
+      ReportError: if it is too large (`too_large`) or not a value of type `t` (`malformed`).
+    """
+    limit = max_bytes(t)
+    if len(report) > limit + (1 << 20):
+        raise ReportError(
+            f"Expected a report of at most {limit} bytes of values, found {len(report)} bytes.",
+            reason="too_large",
+        )
+    return decode(report, t, limit, "a report")
+
+
+def decode(data: bytes, t: types.Type, limit: int | None, what: str) -> Any:
+    """`deserialize_value(data)` of type `t` (at most `limit` tensor bytes), or a
+    `ReportError` naming `what` was expected."""
+    try:
+        return serialization.deserialize_value(data, expected_type=t, max_bytes=limit)
+    except serialization.SerializationError as e:
+        raise ReportError(f"Expected {what} of type {t}: {e}") from e
+
+
+def check_finite(value: Any, t: types.Type, where: str) -> None:
+    """Every float of `value` (internal form, of type `t`) is finite.
+
+    Raises:
+      ReportError: `non_finite`, naming `where` the value was found.
+    """
+    for leaf in structure.flatten(value, t):
+        arr = np.asarray(leaf)
+        if arr.dtype.kind in "fc" and not np.all(np.isfinite(arr)):
+            raise ReportError(
+                f"Expected finite values in {where}, found NaN or infinity; a client must "
+                "exclude or clip non-finite updates before reporting.",
+                reason="non_finite",
+            )
+
+
+def _check_one_client(partial: Any, t: types.Type, where: str) -> None:
+    """Every float is finite; counts say one client; weights are non-negative."""
+    check_finite(partial, t, where)
+    if not isinstance(t, types.StructType):
+        return
+    fields = dict(zip(t.names, partial))
+    if "count" in fields and int(fields["count"]) != 1:
+        raise ReportError(
+            f"Expected one client's contribution in {where}, found a count of {int(fields['count'])}.",
+            reason="not_one_client",
+        )
+    if "seen" in fields and not bool(fields["seen"]):
+        raise ReportError(f"Expected one client's value in {where}, found none.", "not_one_client")
+    if "weight" in fields and not float(fields["weight"]) >= 0:
+        raise ReportError(
+            f"Expected a non-negative weight in {where}, found {float(fields['weight'])}.",
+            reason="not_one_client",
+        )
+
+
+def max_bytes(t: types.Type) -> int:
+    """An upper bound on the tensor bytes of a report of type `t` (unknown dims: 2^20)."""
+    total = 0
+    for lt in structure.leaf_types(t):
+        dims = [1 << 20 if d is None else d for d in lt.shape]
+        total += math.prod(dims) * np.dtype(lt.dtype).itemsize
+    return total

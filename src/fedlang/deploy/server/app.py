@@ -1,0 +1,68 @@
+"""The server's FastAPI application: the routers of every role, the refusals as JSON, and
+the tick that closes rounds and stages whose time is up.
+
+`create_app(state)` includes the routers of `common` (populations, blobs, enrollment,
+check-in, status), `rounds`, `secure` and `sessions`; each route module exports its
+`router` and reads the server's state through `routing.State`. Nothing imports this
+module but `serve`. Every endpoint is under `/v1` and described in the OpenAPI schema the
+server serves at `/openapi.json`; docs/deploy.md is the prose contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import fastapi
+from fastapi import responses
+from starlette import concurrency
+
+from fedlang.deploy import protocol
+from fedlang.deploy.server import common, rounds, schemas, secure, sessions
+from fedlang.deploy.server import state as state_lib
+
+ROUTERS = (common.router, rounds.router, secure.router, sessions.router)
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": schemas.ErrorOut, "description": e.__doc__ or ""}
+    for status, e in protocol.ERRORS.items()
+}
+
+
+def create_app(server: state_lib.ServerState, tick: float = 1.0) -> fastapi.FastAPI:
+    """The FastAPI application of `server`; `tick` is how often deadlines are checked."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: fastapi.FastAPI) -> AsyncIterator[None]:
+        async def close_due() -> None:
+            while True:
+                await asyncio.sleep(tick)
+                with contextlib.suppress(Exception):  # a database hiccup: try next tick
+                    await concurrency.run_in_threadpool(server.close_due)
+
+        task = asyncio.create_task(close_due())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app = fastapi.FastAPI(
+        title="fedlang task store",
+        version=state_lib.VERSION,
+        description="Clients pull tasks, run them on their own data and push reports. "
+        "See docs/deploy.md, 'The protocol'.",
+        lifespan=lifespan,
+        responses=ERROR_RESPONSES,
+    )
+    app.state.server = server  # what `routing.State` gives each route
+
+    @app.exception_handler(protocol.ProtocolError)
+    async def refused(_: fastapi.Request, e: protocol.ProtocolError) -> responses.JSONResponse:
+        return responses.JSONResponse({"detail": str(e), "reason": e.reason}, status_code=e.status)
+
+    for router in ROUTERS:
+        app.include_router(router)
+    return app

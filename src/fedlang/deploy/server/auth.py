@@ -1,0 +1,62 @@
+"""Who is asking: the admin token and client credentials, from a bearer header.
+
+Every route that needs a caller names it here (`admin`, `client`), so a change to how
+callers prove who they are (issue 23: before any body is read) is made once.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+import fastapi
+from fastapi import security
+
+from fedlang.deploy import protocol
+from fedlang.deploy.server import state as state_lib
+
+_bearer = security.HTTPBearer(auto_error=False, description="A bearer token.")
+Bearer = Annotated[security.HTTPAuthorizationCredentials | None, fastapi.Depends(_bearer)]
+
+
+def token(auth: security.HTTPAuthorizationCredentials | None, what: str) -> str:
+    """The bearer token of a request.
+
+    Raises:
+      Unauthorized: there is none (`what` says what was expected).
+    """
+    if auth is None or not auth.credentials:
+        raise protocol.Unauthorized(
+            f"Expected an 'Authorization: Bearer ...' header with {what}, found none."
+        )
+    return auth.credentials
+
+
+def admin(server: state_lib.ServerState, auth: security.HTTPAuthorizationCredentials | None) -> None:
+    """Checks the server's admin token.
+
+    Raises:
+      Unauthorized: no token, or another one.
+    """
+    given = token(auth, "the server's admin token")
+    if not secrets.compare_digest(given.encode(), server.admin_token.encode()):
+        raise protocol.Unauthorized(
+            "Expected the server's admin token, found another token; it is printed when "
+            "the server starts (or set with --admin-token)."
+        )
+
+
+def client(
+    server: state_lib.ServerState, auth: security.HTTPAuthorizationCredentials | None
+) -> tuple[str, str]:
+    """(client id, population) of the client credential of a request; a refusal is
+    counted (`refused:unauthorized`, `refused:expired`).
+
+    Raises:
+      Unauthorized: no credential, or an unknown or expired one.
+    """
+    try:
+        return server.store.authenticate(token(auth, "a client credential"))
+    except protocol.Unauthorized as e:
+        server.store.count_refusal(e.reason)
+        raise

@@ -1,0 +1,130 @@
+"""The routes every mode shares: populations and blobs (admin), enrollment, check-in and
+blob downloads (clients), and the status (public)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import fastapi
+from fastapi import responses
+from starlette import concurrency
+
+from fedlang.deploy import protocol
+from fedlang.deploy.plans import round as plan_lib
+from fedlang.deploy.server import auth as auth_lib
+from fedlang.deploy.server import intake, routing, schemas
+from fedlang.deploy.server.routing import State
+from fedlang.deploy.store import rounds as rounds_lib
+
+router = fastapi.APIRouter(prefix=protocol.API)
+
+# -- admin: the driver
+
+
+@router.post("/admin/populations", status_code=201, tags=["admin"])
+def create_population(
+    body: schemas.PopulationIn, auth: auth_lib.Bearer, server: State
+) -> schemas.PopulationOut:
+    """Creates a population; the answer holds its enrollment token (shown only here)."""
+    auth_lib.admin(server, auth)
+    return schemas.PopulationOut(name=body.name, token=server.store.create_population(body.name))
+
+
+@router.get("/admin/populations", tags=["admin"])
+def list_populations(auth: auth_lib.Bearer, server: State) -> list[schemas.PopulationInfo]:
+    """The populations with their enrolled client counts."""
+    auth_lib.admin(server, auth)
+    return [schemas.PopulationInfo(**p) for p in server.store.populations()]
+
+
+@router.post("/admin/populations/{name}/finish", tags=["admin"])
+def finish_population(
+    name: routing.Population, auth: auth_lib.Bearer, server: State
+) -> schemas.PopulationInfo:
+    """Marks a population finished: its clients stop at their next check-in."""
+    auth_lib.admin(server, auth)
+    server.store.finish_population(name)
+    return next(schemas.PopulationInfo(**p) for p in server.store.populations()
+                if p["name"] == name)
+
+
+@router.post("/admin/blobs", status_code=201, tags=["admin"], openapi_extra=routing.BINARY_BODY)
+async def upload_blob(
+    request: fastapi.Request, auth: auth_lib.Bearer, server: State
+) -> schemas.BlobOut:
+    """Stores a blob (a plan, a broadcast value) under the SHA-256 of its bytes."""
+    auth_lib.admin(server, auth)
+    data = await intake.read_limited(request, server.max_blob_bytes)
+    h = await concurrency.run_in_threadpool(server.store.put_blob, data)
+    return schemas.BlobOut(hash=h, size=len(data))
+
+
+# -- clients
+
+
+@router.post("/populations/{name}/enroll", status_code=201, tags=["client"])
+def enroll(name: routing.Population, auth: auth_lib.Bearer, server: State) -> schemas.EnrollOut:
+    """Enrolls a client with the population's token. Keep the credential; pin the
+    server's public key: every plan the client runs must be signed by it."""
+    client_id, credential, expires = server.store.enroll(
+        name, auth_lib.token(auth, "the population's enrollment token"), server.credential_ttl
+    )
+    return schemas.EnrollOut(
+        client_id=client_id,
+        credential=credential,
+        expires=expires,
+        public_key=plan_lib.b64(server.public_key),
+    )
+
+
+@router.post("/checkin", tags=["client"])
+def checkin(auth: auth_lib.Bearer, server: State) -> schemas.CheckinOut:
+    """A task, or how many seconds to wait before checking in again (pace steering),
+    or `finished` when the population has no more work."""
+    client_id, population = auth_lib.client(server, auth)
+    got = server.rounds.checkin(client_id, population)
+    if got is None:
+        return schemas.CheckinOut(finished=True)
+    if isinstance(got, rounds_lib.Task):
+        return schemas.CheckinOut(task=schemas.TaskOut(
+            round=got.round, plan=got.plan, broadcast=got.broadcast, deadline=got.deadline,
+            seconds_left=max(0.0, got.deadline - server.store.clock()), kind=got.kind,
+        ))
+    buffered = server.sessions.checkin(client_id, population)  # no round: a session's task?
+    if buffered is not None:
+        return schemas.CheckinOut(task=schemas.TaskOut(
+            round=buffered.session, plan=buffered.plan, broadcast=buffered.weights,
+            deadline=0.0, seconds_left=0.0, kind=protocol.TaskKind.BUFFERED,
+            version=buffered.version,
+        ))
+    return schemas.CheckinOut(retry_after=got)
+
+
+@router.get("/blobs/{blob}", tags=["client"], responses=routing.BINARY_RESPONSE,
+            response_class=responses.Response)
+def download_blob(
+    blob: routing.BlobHash,
+    auth: auth_lib.Bearer,
+    server: State,
+    if_none_match: Annotated[str | None, fastapi.Header()] = None,
+) -> responses.Response:
+    """A blob by hash (immutable: cache it; `If-None-Match` gives 304)."""
+    try:
+        auth_lib.admin(server, auth)
+    except protocol.Unauthorized:
+        auth_lib.client(server, auth)
+    if if_none_match is not None and if_none_match.strip('"') == blob:
+        if not server.store.has_blob(blob):
+            raise protocol.NotFound(f"Expected the hash of a stored blob, found {blob!r}.")
+        return responses.Response(status_code=304, headers={"ETag": f'"{blob}"'})
+    return routing.binary(server.store.get_blob(blob), blob)
+
+
+# -- public
+
+
+@router.get("/status", tags=["status"])
+def status(server: State) -> schemas.StatusOut:
+    """Rounds, check-ins, reports accepted and refused (by reason), late reports and
+    dropouts."""
+    return schemas.StatusOut(**server.status())

@@ -1,0 +1,151 @@
+"""The one upload pipeline: every upload of every mode is taken here.
+
+A plain round's report (`PUT /v1/rounds/{round}/report`), a secure round's answer to a
+stage (`PUT /v1/rounds/{round}/secagg/{stage}`) and a buffered session's report for a
+model version (`PUT /v1/sessions/{session}/reports/{version}`) go through the same
+steps (`take`):
+
+1. authenticate the client (401; counted as `refused:unauthorized` or `expired`);
+2. find the task, its plan, and the largest body it can take (404 for no such task);
+3. read the body, refused (413) as soon as it exceeds that limit;
+4. admit it (`store.admission`: a replay is accepted again and changes nothing; 409
+   another upload, 403 not assigned, 410 closed, and the mode's own refusals), before
+   anything is decoded;
+5. check it against the plan (400 with the reason: `malformed`, `too_large`,
+   `non_finite`, `not_one_client`, or the protocol's `secagg`);
+6. accept it in one transaction, which admits it again with the task locked and folds
+   (a round) or stores (a session) it;
+
+and every refusal from step 3 on is counted (`refused:REASON` in `GET /v1/status`, and
+in the task: `Uploads.count_refusal`).
+
+A mode is an `Uploads`: how to find its tasks, its limit, its admission, its check and
+how it accepts (`rounds.ReportUploads`, `secure.AnswerUploads`,
+`sessions.ReportUploads`). A new mode writes one; a check every upload must pass (a
+bound the plan declares, a limit) is added here, once, not in the modes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Generic, Protocol, TypeVar
+
+import fastapi
+from fastapi import security
+from starlette import concurrency
+
+from fedlang.deploy import protocol
+from fedlang.deploy.plans import folding
+from fedlang.deploy.server import auth as auth_lib
+from fedlang.deploy.server import state as state_lib
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Upload:
+    """One upload as the intake took it.
+
+    Attributes:
+      client: the uploading client's id.
+      population: its population.
+      slot: which of the task's uploads it is: 0 for a round's report, a secure round's
+        stage, a buffered session's model version.
+      body: the bytes.
+      digest: their SHA-256 (hex), by which replays are recognized.
+      checked: what the mode's `check` made of them (e.g. the decoded report).
+    """
+
+    client: str
+    population: str
+    slot: int
+    body: bytes
+    digest: str = ""
+    checked: Any = None
+
+
+class Uploads(Protocol, Generic[T]):
+    """One mode's uploads, as the intake takes them (see the module docstring). `T` is
+    the mode's task (its row: a round, a session)."""
+
+    def target(self, task_id: int) -> T:
+        """The task uploads go to. Raises NotFound."""
+
+    def limit(self, target: T, slot: int) -> int:
+        """The largest body an upload to `slot` of the task may have, in bytes."""
+
+    def precheck(self, target: T, upload: Upload) -> bool:
+        """Whether this upload was accepted before (a replay); raises what `accept` would."""
+
+    def check(self, target: T, upload: Upload) -> Any:
+        """The upload's body, decoded and checked against the plan. Raises ReportError."""
+
+    def accept(self, target: T, upload: Upload) -> bool:
+        """Accepts the checked upload in one transaction; False for a replay."""
+
+    def count_refusal(self, reason: str, target: T) -> None:
+        """Counts a refused upload (`refused:REASON`, and in the task)."""
+
+
+async def read_limited(request: fastapi.Request, limit: int) -> bytes:
+    """The request body, refused before it is read whole if it exceeds `limit` bytes.
+
+    Raises:
+      TooLarge: a declared or actual length above `limit`.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise protocol.TooLarge(f"Expected at most {limit} bytes, found {declared}.")
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise protocol.TooLarge(f"Expected at most {limit} bytes, found more.")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def take(
+    server: state_lib.ServerState,
+    request: fastapi.Request,
+    auth: security.HTTPAuthorizationCredentials | None,
+    uploads: Uploads[T],
+    task_id: int,
+    slot: int = 0,
+) -> bool:
+    """Takes one upload to `slot` of task `task_id` (see the module docstring); returns
+    False for a replay of an accepted upload (nothing changed).
+
+    Raises:
+      ProtocolError: the refusal (counted, from reading the body on).
+    """
+    client_id, population = await concurrency.run_in_threadpool(auth_lib.client, server, auth)
+    target, limit = await concurrency.run_in_threadpool(_find, uploads, task_id, slot)
+    try:
+        body = await read_limited(request, limit)
+        checked = await concurrency.run_in_threadpool(
+            _admit_and_check, uploads, target, Upload(client_id, population, slot, body)
+        )
+        if checked is None:  # a replay
+            return False
+        return await concurrency.run_in_threadpool(uploads.accept, target, checked)
+    except protocol.ProtocolError as e:
+        await concurrency.run_in_threadpool(uploads.count_refusal, e.reason, target)
+        raise
+
+
+def _find(uploads: Uploads[T], task_id: int, slot: int) -> tuple[T, int]:
+    target = uploads.target(task_id)
+    return target, uploads.limit(target, slot)
+
+
+def _admit_and_check(uploads: Uploads[T], target: T, upload: Upload) -> Upload | None:
+    """The upload with its digest and checked value, or None for a replay."""
+    upload = dataclasses.replace(upload, digest=protocol.blob_hash(upload.body))
+    if uploads.precheck(target, upload):
+        return None
+    try:
+        checked = uploads.check(target, upload)
+    except folding.ReportError as e:
+        raise protocol.BadRequest(str(e), reason=e.reason) from e
+    return dataclasses.replace(upload, checked=checked)

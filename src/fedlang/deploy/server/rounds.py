@@ -1,0 +1,136 @@
+"""The routes of rounds: the driver opens a round (plain, or secure when its plan has
+secure aggregations), waits for it and reads its aggregate; a client uploads its report
+to a plain round (`ReportUploads`, through the intake). A secure round's stages have
+their own routes (`secure.py`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fastapi
+from fastapi import responses
+
+from fedlang.deploy import protocol
+from fedlang.deploy.plans import folding
+from fedlang.deploy.server import auth as auth_lib
+from fedlang.deploy.server import intake, plans, routing, schemas
+from fedlang.deploy.server import state as state_lib
+from fedlang.deploy.server.routing import State
+from fedlang.deploy.store import rounds as rounds_lib
+
+router = fastapi.APIRouter(prefix=protocol.API)
+
+
+class ReportUploads:
+    """A plain round's reports, as the intake takes them: one per assigned client, checked
+    and folded by the round's `folding.Folder`."""
+
+    def __init__(self, server: state_lib.ServerState):
+        self.server = server
+
+    def target(self, task_id: int) -> rounds_lib.Round:
+        return self.server.rounds.round(task_id)
+
+    def limit(self, target: rounds_lib.Round, slot: int) -> int:
+        return self.server.verified.folder(target.plan).max_report_bytes + (1 << 20)
+
+    def precheck(self, target: rounds_lib.Round, upload: intake.Upload) -> bool:
+        return self.server.rounds.precheck(target.id, upload.client, upload.digest)
+
+    def check(self, target: rounds_lib.Round, upload: intake.Upload) -> Any:
+        return self.server.verified.folder(target.plan).check(upload.body)
+
+    def accept(self, target: rounds_lib.Round, upload: intake.Upload) -> bool:
+        folder = self.server.verified.folder(target.plan)
+        return self.server.rounds.accept(
+            target.id, upload.client, upload.digest, len(upload.body),
+            lambda aggregate: folder.fold(aggregate, upload.checked),
+        )
+
+    def count_refusal(self, reason: str, target: rounds_lib.Round) -> None:
+        self.server.rounds.count_refusal(reason, target.id)
+
+
+def create(server: state_lib.ServerState, body: schemas.RoundIn) -> rounds_lib.Round:
+    """Opens the round `body` asks for (or returns the one made for its `request_id`)."""
+    try:
+        options = rounds_lib.CohortOptions(
+            body.target, body.over_selection, body.quorum, body.deadline, body.stage_timeout
+        )
+    except ValueError as e:
+        raise protocol.BadRequest(str(e)) from e
+    round_plan, data = plans.read_plan(
+        server, protocol.TaskKind.AGGREGATE, body.plan, body.broadcast, "broadcast value"
+    )
+    kind, on_create = rounds_lib.AGGREGATE, None
+    if round_plan.secure:  # its secure inputs go only through SecAgg+
+        kind, on_create = rounds_lib.SECURE, server.secure.prepare(round_plan, options)
+    signed = plans.sign(server, data)
+    empty = folding.Folder(round_plan).empty()
+    return server.rounds.create(
+        body.population, signed, body.broadcast, options, empty, body.request_id, kind,
+        on_create,
+    )
+
+
+# -- admin: the driver
+
+
+@router.post("/admin/rounds", status_code=201, tags=["admin"])
+def create_round(body: schemas.RoundIn, auth: auth_lib.Bearer, server: State) -> schemas.RoundOut:
+    """Opens a round: the server signs the plan, clients can be assigned at once.
+    A repeated `request_id` returns the round it made (safe to retry)."""
+    auth_lib.admin(server, auth)
+    return schemas.RoundOut(**create(server, body).to_json())
+
+
+@router.get("/admin/rounds/{round_id}", tags=["admin"])
+async def round_status(
+    round_id: routing.RoundId,
+    auth: auth_lib.Bearer,
+    server: State,
+    wait: routing.Wait = 0.0,
+    seen: routing.Seen = -1,
+) -> schemas.RoundOut:
+    """A round's state; with `wait`, answers when the round is no longer open, when
+    its report count differs from `seen`, when a secure round's stage changes, or after
+    `wait` seconds (long polling)."""
+    auth_lib.admin(server, auth)
+
+    def changed(first: rounds_lib.Round, r: rounds_lib.Round) -> bool:
+        return r.state != rounds_lib.OPEN or r.reports != seen or r.stage != first.stage
+
+    r = await routing.long_poll(lambda: server.rounds.round(round_id), changed, wait, 0.1)
+    return schemas.RoundOut(**r.to_json())
+
+
+@router.get("/admin/rounds/{round_id}/aggregate", tags=["admin"],
+            responses=routing.BINARY_RESPONSE, response_class=responses.Response)
+def round_aggregate(
+    round_id: routing.RoundId, auth: auth_lib.Bearer, server: State
+) -> responses.Response:
+    """The aggregate of a closed round (the binary value format, of the plan's
+    report type): every accepted report folded in."""
+    auth_lib.admin(server, auth)
+    r, data = server.rounds.aggregate(round_id)
+    if r.state == rounds_lib.FAILED:
+        raise protocol.Conflict(r.failure, reason="failed")
+    if r.state != rounds_lib.CLOSED:
+        raise protocol.Conflict(
+            f"Expected a closed round, found round {round_id} open ({r.reports} of "
+            f"{r.target} reports); wait for it with GET /v1/admin/rounds/{round_id}?wait=30."
+        )
+    return routing.binary(data)
+
+
+# -- clients
+
+
+@router.put("/rounds/{round_id}/report", tags=["client"], openapi_extra=routing.BINARY_BODY)
+async def upload_report(
+    round_id: routing.RoundId, request: fastapi.Request, auth: auth_lib.Bearer, server: State
+) -> schemas.ReportOut:
+    """Uploads this client's report for its task (the binary value format, of the
+    plan's report type). Idempotent: the same bytes again change nothing."""
+    new = await intake.take(server, request, auth, ReportUploads(server), round_id)
+    return schemas.ReportOut(round=round_id, accepted=True, replay=not new)

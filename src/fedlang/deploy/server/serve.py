@@ -1,0 +1,175 @@
+"""Running the task store's server: `Server(db=...)` from Python (`start()` serves on a
+background thread), `fedlang serve --db URL` from the command line. TLS is uvicorn's:
+pass `ssl_keyfile` and `ssl_certfile` (`--ssl-keyfile/--ssl-certfile`).
+
+Clients only ever connect out: they enroll, check in for a task, download its signed
+plan and broadcast value by hash, and upload a report, which is checked and folded into
+the round's aggregate in one database transaction (`intake`). The driver
+(`driver.rounds.ServerRounds`, `driver.buffered.BufferedDriver`) uses the admin endpoints
+to open rounds and sessions and read their results. The application itself is
+`app.create_app`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+
+from fedlang.core import signing
+from fedlang.deploy.server import app as app_lib
+from fedlang.deploy.server import state as state_lib
+from fedlang.deploy.store import store as store_lib
+
+
+def load_key(key: Any, store: store_lib.Store) -> Any:
+    """The server's Ed25519 signing key: `key` itself, a key file (32 raw bytes, created
+    if missing), or (None) the key kept in the database, created on first start."""
+    if key is None:
+        return signing.load_private_key(
+            store.setdefault_meta("signing_key", signing.private_key_bytes(signing.generate_key()))
+        )
+    if isinstance(key, str | os.PathLike):
+        path = pathlib.Path(key)
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(signing.private_key_bytes(signing.generate_key()))
+        return signing.load_private_key(path.read_bytes())
+    return key
+
+
+def _free_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class Server:
+    """A task store server, from Python (see the module docstring).
+
+    Args:
+      db: the database: `sqlite:///PATH`, a file path, or `postgresql://...`.
+      host: the address to listen on.
+      port: the port (0: any free port; see `url`).
+      admin_token: the admin endpoints' bearer token (default: one kept in the database,
+        made on first start).
+      key: the plan-signing key: an Ed25519 private key, a key file (made if missing), or
+        None for one kept in the database, made on first start and never regenerated.
+      pace: pace steering of check-ins (`fedlang.deploy.Pace`).
+      credential_ttl: seconds a client credential stays valid.
+      ssl_keyfile, ssl_certfile: serve HTTPS (uvicorn's TLS).
+      clock: the time (tests pass their own).
+      tick: seconds between checks of round deadlines.
+      browser: also serve the browser client (`/browser/fedlang.js` and onnxruntime-web,
+        `fedlang.deploy.browser.routes`).
+      demo_page: also serve the demo page at `/demo/` (implies `browser`).
+      log_level: uvicorn's log level.
+      access_log: log one line per request (uvicorn's access log: method, path, status;
+        never a body).
+
+    Example:
+      >>> with Server(db="/tmp/fl.db", port=0) as server:  # doctest: +SKIP
+      ...     print(server.url, server.admin_token)
+    """
+
+    def __init__(
+        self,
+        db: str | os.PathLike[str] = "fedlang.db",
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        admin_token: str | None = None,
+        key: Any = None,
+        *,
+        pace: store_lib.Pace | None = None,
+        credential_ttl: float = 30 * 86400,
+        max_blob_bytes: int = 1 << 30,
+        ssl_keyfile: str | None = None,
+        ssl_certfile: str | None = None,
+        clock: Callable[[], float] = time.time,
+        tick: float = 1.0,
+        log_level: str = "warning",
+        browser: bool = False,
+        demo_page: bool = False,
+        access_log: bool = False,
+    ):
+        self.store = store_lib.Store(db, clock=clock, pace=pace)
+        if admin_token is None:
+            admin_token = self.store.setdefault_meta(
+                "admin_token", secrets.token_urlsafe(24).encode()
+            ).decode()
+        self.admin_token = admin_token
+        self.app_state = state_lib.ServerState(
+            self.store, load_key(key, self.store), admin_token, credential_ttl, max_blob_bytes
+        )
+        self.public_key = self.app_state.public_key
+        self.app = app_lib.create_app(self.app_state, tick)
+        if browser or demo_page:
+            from fedlang.deploy.browser import routes
+
+            routes.mount(self.app, demo=demo_page)
+        self.host = host
+        self._sock = _free_socket(host, port)
+        self.port = self._sock.getsockname()[1]
+        scheme = "https" if ssl_certfile else "http"
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"{scheme}://{shown}:{self.port}"
+        self._config = uvicorn.Config(
+            self.app, log_level=log_level, access_log=access_log, ssl_keyfile=ssl_keyfile,
+            ssl_certfile=ssl_certfile, timeout_graceful_shutdown=5,
+        )
+        self._uvicorn = uvicorn.Server(self._config)
+        self._thread: threading.Thread | None = None
+
+    def serve(self) -> None:
+        """Serves until interrupted (Ctrl-C or SIGTERM)."""
+        try:
+            self._uvicorn.run(sockets=[self._sock])
+        finally:
+            self.close()
+
+    def start(self, timeout: float = 30.0) -> Server:
+        """Serves on a background thread; returns once the server accepts requests."""
+        self._thread = threading.Thread(
+            target=self._uvicorn.run, kwargs={"sockets": [self._sock]}, daemon=True,
+            name="fedlang-server",
+        )
+        self._thread.start()
+        end = time.monotonic() + timeout
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > end:
+                self.stop()
+                raise RuntimeError(f"Expected the server to start within {timeout} s; it did not.")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        """Stops serving and closes the database."""
+        self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self.store.close()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -1,0 +1,77 @@
+"""What every route of the server reads: the store and its three modes, the keys, and
+the verified plans (`ServerState`); `app.create_app` puts it where routes find it
+(`routing.State`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedlang.core import signing
+from fedlang.deploy.plans import cache
+from fedlang.deploy.plans import round as plan_lib
+from fedlang.deploy.store import rounds as rounds_lib
+from fedlang.deploy.store import secure as secure_lib
+from fedlang.deploy.store import sessions as sessions_lib
+from fedlang.deploy.store import store as store_lib
+
+VERSION = "0.1.0"
+
+
+class ServerState:
+    """The server's state: a store, the modes over it, and the server's keys.
+
+    Args:
+      store: the task store.
+      key: the Ed25519 key that signs plans.
+      admin_token: the bearer token of the admin endpoints.
+      credential_ttl: seconds a client credential stays valid.
+      max_blob_bytes: the largest blob the admin may upload.
+    """
+
+    def __init__(
+        self,
+        store: store_lib.Store,
+        key: Any,
+        admin_token: str,
+        credential_ttl: float = 30 * 86400,
+        max_blob_bytes: int = 1 << 30,
+    ):
+        self.store = store
+        self.key = key
+        self.public_key = signing.public_key_bytes(key)
+        self.admin_token = admin_token
+        self.credential_ttl = credential_ttl
+        self.max_blob_bytes = max_blob_bytes
+        # Each plan is read, verified and parsed once for every upload checked against it.
+        self.verified = cache.VerifiedPlans(store.get_blob, self.public_key)
+        self.rounds = rounds_lib.Rounds(store)
+        self.secure = secure_lib.SecureRounds(self.rounds, self.verified.folder)
+        self.sessions = sessions_lib.Sessions(store)  # buffered (FedBuff) sessions
+
+    def close_due(self) -> None:
+        """Closes the rounds, and the secure rounds' stages, whose time is up."""
+        self.rounds.close_due()
+        self.secure.close_due()
+
+    def status(self) -> dict[str, Any]:
+        """What `GET /v1/status` shows: counters, populations, the latest rounds and
+        sessions."""
+        counters = self.store.counters()
+        refused = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("refused:")}
+        return {
+            "server": {"version": VERSION, "public_key": plan_lib.b64(self.public_key)},
+            "populations": self.store.populations(),
+            "rounds": [r.to_json() for r in self.rounds.rounds()],
+            "enrollments": counters.get("enrollments", 0),
+            "checkins": counters.get("checkins", 0),
+            "assignments": counters.get("assignments", 0),
+            "reports": {
+                "accepted": counters.get("reports:accepted", 0),
+                "refused": refused,
+                "late": refused.get("late", 0),
+            },
+            "dropouts": counters.get("dropouts", 0),
+            "rounds_closed": counters.get("rounds:closed", 0),
+            "rounds_failed": counters.get("rounds:failed", 0),
+            "sessions": [self.sessions.status(s) for s in self.sessions.sessions()],
+        }

@@ -1,0 +1,425 @@
+"""Rounds in the task store: every round's row, and the plain rounds' reports.
+
+A round of a population has a signed plan and a broadcast value (blobs, by hash), cohort
+options (`CohortOptions`: target, over-selection, quorum, deadline) and counters. Its
+`kind` is `aggregate` (a plain round: one report per client) or `secure` (the four
+stages of SecAgg+, run by `secure.SecureRounds` on top of these rows; its reports carry
+the stage number of each client message). A checking-in client is assigned to an open
+round with room (`checkin`), or told when to come back (pace steering).
+
+Accepting a report is one transaction: it locks the round's row, admits the report
+(`admission`: a replay, a second report, a client not assigned, a round closed),
+records the report's digest and replaces the round's aggregate with the report folded in
+(`fold_report`, which secure rounds use too). So a server killed at any moment has
+either accepted a report (and its aggregate holds it) or not, and a replayed report
+changes nothing. A round closes at its target, or at its deadline with at least its
+quorum of reports; below the quorum it fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from fedlang.deploy import protocol
+from fedlang.deploy.store import admission, sql
+from fedlang.deploy.store import store as store_lib
+
+OPEN, CLOSED, FAILED = protocol.RoundState
+AGGREGATE, SECURE = protocol.TaskKind.AGGREGATE, protocol.TaskKind.SECURE
+ASSIGNED = admission.Assignment.ASSIGNED
+
+_ROUND_FIELDS = (
+    "id, population, kind, state, plan, broadcast, target, capacity, quorum, deadline, created,"
+    " closed, assigned, reports, late, dropped, refused, failure,"
+    " COALESCE((SELECT s.stage FROM secure_rounds s WHERE s.round = rounds.id), 0)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CohortOptions:
+    """How a round picks and waits for its clients.
+
+    Attributes:
+      target: reports wanted; the round closes as soon as this many are accepted.
+      over_selection: the fraction of extra clients assigned beyond `target`, so that
+        dropouts do not starve the round (0.3: up to ceil(1.3 * target) clients).
+      quorum: the fewest reports the round may close with at its deadline (default:
+        `target`); below it, the round fails.
+      deadline: seconds from the round's creation after which it closes (with at least
+        `quorum` reports) or fails.
+      stage_timeout: in a secure round, seconds each of stages 2-4 waits for its last
+        participants; stage 1 (check-in, local training, keys) may last until three
+        stage timeouts before the deadline (and at least one). Default: a quarter of
+        the deadline.
+    """
+
+    target: int
+    over_selection: float = 0.0
+    quorum: int | None = None
+    deadline: float = 600.0
+    stage_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.target, int) and self.target >= 1):
+            raise ValueError(f"Expected a target of at least 1 report, found {self.target!r}.")
+        if not (math.isfinite(self.over_selection) and 0 <= self.over_selection <= 10):
+            raise ValueError(
+                f"Expected an over-selection between 0 and 10, found {self.over_selection!r}."
+            )
+        q = self.target if self.quorum is None else self.quorum
+        if not (isinstance(q, int) and 1 <= q <= self.target):
+            raise ValueError(
+                f"Expected a quorum between 1 and the target ({self.target}), found {q!r}."
+            )
+        if not (math.isfinite(self.deadline) and 0 < self.deadline <= 30 * 86400):
+            raise ValueError(
+                f"Expected a deadline between 0 and 30 days (in seconds), found {self.deadline!r}."
+            )
+        t = self.stage_timeout
+        if t is not None and not (math.isfinite(t) and 0 < t <= self.deadline):
+            raise ValueError(
+                f"Expected a stage timeout between 0 and the deadline ({self.deadline:g} s), "
+                f"found {t!r}."
+            )
+
+    @property
+    def minimum(self) -> int:
+        return self.target if self.quorum is None else self.quorum
+
+    @property
+    def capacity(self) -> int:
+        return math.ceil(self.target * (1 + self.over_selection) - 1e-9)
+
+    @property
+    def stage_seconds(self) -> float:
+        """A secure round's stage timeout (`stage_timeout`, or a quarter of the deadline)."""
+        return self.deadline / 4 if self.stage_timeout is None else self.stage_timeout
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """A round's row: its options, its state and its counters."""
+
+    id: int
+    population: str
+    kind: protocol.TaskKind
+    state: protocol.RoundState
+    plan: str
+    broadcast: str
+    target: int
+    capacity: int
+    quorum: int
+    deadline: float
+    created: float
+    closed: float | None
+    assigned: int
+    reports: int
+    late: int
+    dropped: int
+    refused: int
+    failure: str
+    stage: int  # a secure round's SecAgg+ stage (secagg.Stage); 0 for other kinds
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """What a client is asked to do: a round's signed plan and broadcast, by hash, and the
+    round's kind (a report, or the stages of secure aggregation)."""
+
+    round: int
+    plan: str
+    broadcast: str
+    deadline: float
+    kind: protocol.TaskKind = protocol.TaskKind.AGGREGATE
+
+
+def _round_of(row: Any) -> Round:
+    return Round(row[0], row[1], protocol.TaskKind(row[2]), protocol.RoundState(row[3]), *row[4:])
+
+
+def end_round(
+    tx: sql.Tx, round_id: int, state: protocol.RoundState, failure: str, now: float
+) -> None:
+    """Ends a round in `state` (CLOSED or FAILED): its clients still assigned count as
+    dropped, and the store's counters record the dropouts and the outcome."""
+    dropped = tx.run(
+        "UPDATE assignments SET state = ?, updated = ? WHERE round = ? AND state = ?",
+        (admission.Assignment.DROPPED, now, round_id, ASSIGNED),
+    )
+    tx.run(
+        "UPDATE rounds SET state = ?, closed = ?, dropped = dropped + ?, failure = ?"
+        " WHERE id = ?",
+        (state, now, dropped, failure, round_id),
+    )
+    tx.count("dropouts", dropped)
+    tx.count(f"rounds:{state}")
+
+
+def fold_report(
+    tx: sql.Tx, round_id: int, client_id: str, fold: Callable[[bytes], bytes], now: float
+) -> None:
+    """Folds an accepted report into its round's stored aggregate (`fold(aggregate)`),
+    marks the client's assignment reported, and counts the report, in `tx`. Every report
+    of every round is folded here."""
+    aggregate = bytes(tx.one("SELECT data FROM aggregates WHERE round = ?", (round_id,))[0])
+    tx.run(
+        "UPDATE aggregates SET data = ?, reports = reports + 1 WHERE round = ?",
+        (fold(aggregate), round_id),
+    )
+    tx.run(
+        "UPDATE assignments SET state = ?, updated = ? WHERE round = ? AND client = ?",
+        (admission.Assignment.REPORTED, now, round_id, client_id),
+    )
+    tx.run("UPDATE rounds SET reports = reports + 1 WHERE id = ?", (round_id,))
+    tx.count("reports:accepted")
+
+
+def record_upload(
+    tx: sql.Tx, round_id: int, client_id: str, stage: int, digest: str, size: int, now: float
+) -> None:
+    """Records the digest of an accepted upload (a report: stage 0; a secure round's
+    answer: its stage), by which its replays are admitted and another one refused."""
+    tx.run(
+        "INSERT INTO reports (round, client, stage, digest, size, accepted)"
+        " VALUES (?, ?, ?, ?, ?, ?)",
+        (round_id, client_id, stage, digest, size, now),
+    )
+
+
+def slot(
+    tx: sql.Tx, r: Round, client_id: str, stage: int = 0, part: str = "", upload: str = "report"
+) -> admission.Slot:
+    """The client's slot for an upload of `stage` to round `r` (see `admission`): open
+    while the round is; a plain round's report also needs the client still assigned."""
+    done = tx.one(
+        "SELECT digest FROM reports WHERE round = ? AND client = ? AND stage = ?",
+        (r.id, client_id, stage),
+    )
+    held = tx.one(
+        "SELECT state FROM assignments WHERE round = ? AND client = ?", (r.id, client_id)
+    )
+    assignment = None if held is None else str(held[0])
+    still = r.kind == SECURE or assignment == ASSIGNED
+    return admission.Slot(
+        owner=f"round {r.id}", part=part, upload=upload,
+        accepted=None if done is None else str(done[0]), assignment=assignment,
+        open=r.state == OPEN and still, state=r.state,
+    )
+
+
+class Rounds:
+    """The rounds of a task store (see the module docstring)."""
+
+    def __init__(self, store: store_lib.Store):
+        self.store = store
+
+    def create(
+        self,
+        population: str,
+        plan: str,
+        broadcast: str,
+        options: CohortOptions,
+        empty_aggregate: bytes,
+        request_id: str | None = None,
+        kind: protocol.TaskKind = AGGREGATE,
+        on_create: Callable[[sql.Tx, Round], None] | None = None,
+    ) -> Round:
+        """Opens a round of `population` (or returns the round made for `request_id`).
+
+        `on_create(tx, round)` writes, in the same transaction, what a round of this kind
+        needs besides its row (a secure round's protocol state).
+
+        Raises:
+          NotFound: no such population.
+        """
+        now = self.store.clock()
+        with self.store.transaction(write=True) as tx:
+            round_id, new = self.store.new_id(tx, "rounds", population, request_id)
+            if not new:
+                return self.round_in(tx, round_id)
+            tx.run(
+                "INSERT INTO rounds (id, population, kind, state, request_id, plan, broadcast,"
+                " target, capacity, quorum, deadline, created) VALUES"
+                " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (round_id, population, kind, OPEN, request_id, plan, broadcast, options.target,
+                 options.capacity, options.minimum, now + options.deadline, now),
+            )
+            tx.run(
+                "INSERT INTO aggregates (round, data, reports) VALUES (?, ?, 0)",
+                (round_id, empty_aggregate),
+            )
+            if on_create is not None:
+                on_create(tx, self.round_in(tx, round_id))
+            return self.round_in(tx, round_id)
+
+    def round_in(self, tx: sql.Tx, round_id: int, *, lock: bool = False) -> Round:
+        """A round's row, read in `tx` (`lock`: locked until `tx` ends, for a writer).
+
+        Raises:
+          NotFound: no such round.
+        """
+        return _round_of(self.store.task_row(tx, "rounds", _ROUND_FIELDS, round_id, "round", lock))
+
+    def round(self, round_id: int) -> Round:
+        """A round's current row (closing it first if its deadline passed).
+
+        Raises:
+          NotFound: no such round.
+        """
+        with self.store.transaction() as tx:
+            r = self.round_in(tx, round_id)
+        if r.state == OPEN and r.deadline <= self.store.clock():
+            self.close_due()
+            with self.store.transaction() as tx:
+                r = self.round_in(tx, round_id)
+        return r
+
+    def rounds(self, limit: int = 20) -> list[Round]:
+        """The latest rounds, newest first."""
+        with self.store.transaction() as tx:
+            rows = tx.all(f"SELECT {_ROUND_FIELDS} FROM rounds ORDER BY id DESC LIMIT ?", (limit,))
+        return [_round_of(row) for row in rows]
+
+    def aggregate(self, round_id: int) -> tuple[Round, bytes]:
+        """A round's row and its current aggregate."""
+        with self.store.transaction() as tx:
+            r = self.round_in(tx, round_id)
+            data = bytes(tx.one("SELECT data FROM aggregates WHERE round = ?", (round_id,))[0])
+        return r, data
+
+    def _close(self, tx: sql.Tx, r: Round, now: float) -> None:
+        """Closes (or fails) an open round whose target is met or whose deadline passed."""
+        if r.reports >= r.target or r.reports >= r.quorum:
+            state, failure = CLOSED, ""
+        else:
+            state = FAILED
+            failure = (
+                f"Round {r.id} failed: {r.reports} of the {r.quorum} reports its quorum needs "
+                f"arrived before its deadline ({r.deadline - r.created:g} s; {r.assigned} clients "
+                "were assigned). Enroll more clients, lower the quorum or give a later deadline."
+            )
+        end_round(tx, r.id, state, failure, now)
+
+    def close_due(self) -> int:
+        """Closes or fails the open plain rounds whose deadline passed; returns how many.
+        (Secure rounds close by their stages: `secure.SecureRounds.close_due`.)"""
+        now = self.store.clock()
+        with self.store.transaction() as tx:
+            due = [row[0] for row in tx.all(
+                "SELECT id FROM rounds WHERE state = ? AND deadline <= ? AND kind = ?",
+                (OPEN, now, AGGREGATE),
+            )]
+        for round_id in due:
+            with self.store.transaction(write=True) as tx:
+                r = self.round_in(tx, round_id, lock=True)
+                if r.state == OPEN:
+                    self._close(tx, r, now)
+        return len(due)
+
+    # -- check-in
+
+    def checkin(self, client_id: str, population: str) -> Task | float | None:
+        """A round's task for the client, or seconds to wait before checking in again, or
+        None when the population is finished."""
+        now = self.store.clock()
+        with self.store.transaction(write=True) as tx:
+            tx.run("UPDATE clients SET last_seen = ? WHERE id = ?", (now, client_id))
+            tx.count("checkins")
+            pop = tx.one("SELECT clients, finished FROM populations WHERE name = ?", (population,))
+            if pop is None or pop[1]:
+                return None
+            held = tx.one(
+                "SELECT r.id, r.plan, r.broadcast, r.deadline, r.kind FROM assignments a JOIN rounds r"
+                " ON r.id = a.round WHERE a.client = ? AND a.state = ? AND r.state = ?"
+                " AND r.deadline > ? ORDER BY r.id LIMIT 1",
+                (client_id, ASSIGNED, OPEN, now),
+            )
+            if held is not None:  # a client that restarted gets its task again
+                return Task(held[0], held[1], held[2], held[3], protocol.TaskKind(held[4]))
+            candidates = tx.all(
+                "SELECT id FROM rounds WHERE population = ? AND state = ? AND deadline > ?"
+                " AND assigned < capacity AND NOT EXISTS (SELECT 1 FROM assignments a"
+                " WHERE a.round = rounds.id AND a.client = ?) ORDER BY id",
+                (population, OPEN, now, client_id),
+            )
+            for (round_id,) in candidates:
+                r = self.round_in(tx, round_id, lock=True)
+                if r.state != OPEN or r.assigned >= r.capacity:
+                    continue
+                tx.run(
+                    "INSERT INTO assignments (round, client, state, assigned, updated)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    (r.id, client_id, ASSIGNED, now, now),
+                )
+                tx.run("UPDATE rounds SET assigned = assigned + 1 WHERE id = ?", (r.id,))
+                tx.count("assignments")
+                return Task(r.id, r.plan, r.broadcast, r.deadline, r.kind)
+            wait = self.store.retry_after(int(pop[0]))
+            soonest = tx.one(
+                "SELECT MIN(deadline) FROM rounds WHERE population = ? AND state = ?",
+                (population, OPEN),
+            )[0]
+            if soonest is not None:  # a full round: come back when it may have closed
+                wait = min(wait, max(self.store.pace.min_retry, soonest - now))
+            return wait
+
+    # -- reports
+
+    def precheck(self, round_id: int, client_id: str, digest: str) -> bool:
+        """Whether this exact report was already accepted (True: nothing to do); raises
+        what `accept` would for a report the round cannot take."""
+        with self.store.transaction() as tx:
+            return self._admissible(tx, self.round_in(tx, round_id), client_id, digest)
+
+    def _admissible(self, tx: sql.Tx, r: Round, client_id: str, digest: str) -> bool:
+        if r.kind != AGGREGATE:
+            raise protocol.Conflict(
+                f"Expected a report for an aggregate round, found round {r.id} of kind "
+                f"'{r.kind}'; take part in its stages instead (GET /v1/rounds/{r.id}/secagg)."
+            )
+        return admission.admit(slot(tx, r, client_id), digest)
+
+    def accept(
+        self,
+        round_id: int,
+        client_id: str,
+        digest: str,
+        size: int,
+        fold: Callable[[bytes], bytes],
+    ) -> bool:
+        """Records a checked report and folds it into the round's aggregate, in one
+        transaction. Returns False for a replay of an accepted report (nothing changes).
+
+        Args:
+          fold: the round's aggregate -> the aggregate with this report folded in.
+
+        Raises:
+          Forbidden, Gone, Conflict: see `precheck`.
+        """
+        now = self.store.clock()
+        with self.store.transaction(write=True) as tx:
+            r = self.round_in(tx, round_id, lock=True)
+            if r.kind == AGGREGATE and r.state == OPEN and r.deadline <= now:
+                self._close(tx, r, now)
+                r = self.round_in(tx, round_id)
+            if self._admissible(tx, r, client_id, digest):
+                return False
+            fold_report(tx, r.id, client_id, fold, now)
+            record_upload(tx, r.id, client_id, 0, digest, size, now)
+            if r.reports + 1 >= r.target:
+                self._close(tx, self.round_in(tx, r.id), now)
+        return True
+
+    def count_refusal(self, reason: str, round_id: int) -> None:
+        """Counts a refused upload (`refused:REASON`, and in its round: `late` or
+        `refused`)."""
+        column = "late" if reason == "late" else "refused"
+        self.store.count_refusal(
+            reason, (f"UPDATE rounds SET {column} = {column} + 1 WHERE id = ?", (round_id,))
+        )

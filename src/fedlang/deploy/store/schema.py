@@ -1,0 +1,123 @@
+"""Every table of the task store, and how a database of an older schema is brought up to
+date.
+
+`TABLES` is the whole schema, in both dialects (`{blob}`, `{int}`, `{real}` are the
+dialect's column types), at version `VERSION`; the version is kept in `meta` under
+`schema`. Opening a database (`install`) creates what is missing, and first runs the
+`MIGRATIONS` from the version it finds, all in the transaction that opens the store: a
+database is at one version or the other, never between.
+
+A new table or column is a new version: add its statement to `TABLES` (for new
+databases) and to `MIGRATIONS[old version]` (for existing ones), and test that a
+database of the old version opens (tests/deploy/store/test_schema.py).
+"""
+
+from __future__ import annotations
+
+from fedlang.deploy.store import sql
+
+VERSION = 2
+
+TABLES = [
+    # What every mode shares (store.py).
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value {blob} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS populations (name TEXT PRIMARY KEY, token_hash TEXT NOT NULL,"
+    " clients {int} NOT NULL DEFAULT 0, finished {int} NOT NULL DEFAULT 0, created {real} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS clients (id TEXT PRIMARY KEY, population TEXT NOT NULL,"
+    " credential_hash TEXT NOT NULL UNIQUE, created {real} NOT NULL, expires {real} NOT NULL,"
+    " last_seen {real} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS blobs (hash TEXT PRIMARY KEY, size {int} NOT NULL,"
+    " data {blob} NOT NULL, created {real} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value {int} NOT NULL)",
+    # Rounds, plain and secure (rounds.py): one row each, the clients assigned, the
+    # digests of accepted reports (a secure round's: one per client and stage), the
+    # running aggregate.
+    "CREATE TABLE IF NOT EXISTS rounds (id {int} PRIMARY KEY, population TEXT NOT NULL,"
+    " kind TEXT NOT NULL, state TEXT NOT NULL, request_id TEXT UNIQUE, plan TEXT NOT NULL,"
+    " broadcast TEXT NOT NULL, target {int} NOT NULL, capacity {int} NOT NULL,"
+    " quorum {int} NOT NULL, deadline {real} NOT NULL, created {real} NOT NULL, closed {real},"
+    " assigned {int} NOT NULL DEFAULT 0, reports {int} NOT NULL DEFAULT 0,"
+    " late {int} NOT NULL DEFAULT 0, dropped {int} NOT NULL DEFAULT 0,"
+    " refused {int} NOT NULL DEFAULT 0, failure TEXT NOT NULL DEFAULT '')",
+    "CREATE INDEX IF NOT EXISTS rounds_by_state ON rounds (population, state)",
+    "CREATE TABLE IF NOT EXISTS assignments (round {int} NOT NULL, client TEXT NOT NULL,"
+    " state TEXT NOT NULL, assigned {real} NOT NULL, updated {real} NOT NULL,"
+    " PRIMARY KEY (round, client))",
+    "CREATE INDEX IF NOT EXISTS assignments_by_client ON assignments (client, state)",
+    "CREATE TABLE IF NOT EXISTS reports (round {int} NOT NULL, client TEXT NOT NULL,"
+    " stage {int} NOT NULL DEFAULT 0, digest TEXT NOT NULL, size {int} NOT NULL,"
+    " accepted {real} NOT NULL, PRIMARY KEY (round, client, stage))",
+    "CREATE TABLE IF NOT EXISTS aggregates (round {int} PRIMARY KEY, data {blob} NOT NULL,"
+    " reports {int} NOT NULL)",
+    # Secure rounds (secure.py): the SecAgg+ server state and each stage's requests.
+    "CREATE TABLE IF NOT EXISTS secure_rounds (round {int} PRIMARY KEY, stage {int} NOT NULL,"
+    " stage_timeout {real} NOT NULL, stage_deadline {real} NOT NULL,"
+    " answered {int} NOT NULL DEFAULT 0, state {blob} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS secure_requests (round {int} NOT NULL, client TEXT NOT NULL,"
+    " stage {int} NOT NULL, data {blob} NOT NULL, PRIMARY KEY (round, client, stage))",
+    # Buffered (FedBuff) sessions (sessions.py): the sessions, their published versions,
+    # the versions given to clients, and the accepted reports themselves.
+    "CREATE TABLE IF NOT EXISTS buffered_sessions (id {int} PRIMARY KEY,"
+    " population TEXT NOT NULL, state TEXT NOT NULL, request_id TEXT UNIQUE,"
+    " plan TEXT NOT NULL, version {int} NOT NULL, weights TEXT NOT NULL,"
+    " server_state TEXT NOT NULL DEFAULT '', buffer_size {int} NOT NULL,"
+    " max_staleness {int} NOT NULL, applied_through {int} NOT NULL DEFAULT 0,"
+    " reports {int} NOT NULL DEFAULT 0, refused_stale {int} NOT NULL DEFAULT 0,"
+    " created {real} NOT NULL, updated {real} NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS buffered_sessions_by_state ON buffered_sessions"
+    " (population, state)",
+    "CREATE TABLE IF NOT EXISTS buffered_versions (session {int} NOT NULL,"
+    " version {int} NOT NULL, weights TEXT NOT NULL, server_state TEXT NOT NULL,"
+    " through {int} NOT NULL, published {real} NOT NULL, PRIMARY KEY (session, version))",
+    "CREATE TABLE IF NOT EXISTS buffered_tasks (session {int} NOT NULL, client TEXT NOT NULL,"
+    " version {int} NOT NULL, state TEXT NOT NULL, assigned {real} NOT NULL,"
+    " PRIMARY KEY (session, client, version))",
+    "CREATE TABLE IF NOT EXISTS buffered_reports (session {int} NOT NULL, seq {int} NOT NULL,"
+    " client TEXT NOT NULL, version {int} NOT NULL, staleness {int} NOT NULL,"
+    " digest TEXT NOT NULL, size {int} NOT NULL, data {blob} NOT NULL, accepted {real} NOT NULL,"
+    " applied {int}, PRIMARY KEY (session, seq), UNIQUE (session, client, version))",
+]
+
+# From each version to the next: the statements that bring a database of that version
+# to the next one (both dialects). The tables `TABLES` adds are created afterwards.
+MIGRATIONS: dict[int, list[str]] = {
+    # 1 -> 2: the buffered sessions' tables were named `async_*`.
+    1: [
+        "ALTER TABLE async_sessions RENAME TO buffered_sessions",
+        "ALTER TABLE async_versions RENAME TO buffered_versions",
+        "ALTER TABLE async_tasks RENAME TO buffered_tasks",
+        "ALTER TABLE async_reports RENAME TO buffered_reports",
+        "DROP INDEX IF EXISTS async_sessions_by_state",  # remade as buffered_sessions_by_state
+    ],
+}
+
+
+def install(tx: sql.Tx) -> int:
+    """Brings the database of `tx` to the schema `VERSION`: creates a new database's
+    tables, or migrates an older one; returns the version it found (`VERSION` for a new
+    database).
+
+    Raises:
+      ValueError: the database is of a newer (or unknown) schema version.
+    """
+    types = tx.dialect.types
+    tx.run(TABLES[0].format(**types))  # meta, which holds the version
+    tx.run(
+        "INSERT INTO meta (key, value) VALUES ('schema', ?) ON CONFLICT (key) DO NOTHING",
+        (str(VERSION).encode(),),
+    )
+    stored = bytes(tx.one("SELECT value FROM meta WHERE key = 'schema'" + tx.dialect.lock_row)[0])
+    found = int(stored) if stored.isdigit() else None
+    if found is None or not 1 <= found <= VERSION:
+        raise ValueError(
+            f"Expected a task store of schema version {VERSION} (or older), found version "
+            f"{stored.decode(errors='replace')}; use a fedlang of that version or a new database."
+        )
+    for version in range(found, VERSION):
+        for statement in MIGRATIONS[version]:
+            tx.run(statement)
+    if found != VERSION:
+        tx.run("UPDATE meta SET value = ? WHERE key = 'schema'", (str(VERSION).encode(),))
+    for statement in TABLES[1:]:
+        tx.run(statement.format(**types))
+    return found

@@ -1,0 +1,321 @@
+"""The task store: durable state in SQL, shared by every mode.
+
+State lives in SQL: SQLite by default (one file in WAL mode, nothing to install) and
+PostgreSQL by URL (`postgresql://...`, psycopg 3) for servers that outgrow one process.
+Both run one schema (`schema.TABLES`) and one code path; `sql.Dialect` holds the few
+differences (parameter style, column types, how a transaction takes its write lock).
+
+`Store` holds the connections and what every mode shares: metadata (the server's key
+and admin token), populations and their enrolled clients, content-addressed blobs, the
+counters `GET /v1/status` shows, and creating a task idempotently (`new_id`). Each mode
+keeps its own tables on top of it: `rounds.Rounds` (plain rounds, and the rows of every
+round), `secure.SecureRounds` (the SecAgg+ stages of secure rounds) and
+`sessions.Sessions` (buffered FedBuff sessions); `admission` holds the checks all three
+make of an upload.
+
+Every change is one transaction, so a server killed at any moment has either made it or
+not. SQLite runs with `synchronous=NORMAL`, which is durable across crashes of the
+server process (a `kill -9`); only an operating system crash or power loss may lose the
+last commits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import queue
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fedlang.deploy import protocol
+from fedlang.deploy.store import schema, sql
+
+
+@dataclasses.dataclass(frozen=True)
+class Pace:
+    """Pace steering: how long clients with nothing to do wait before checking in again.
+
+    A population of `n` clients is asked to come back after about
+    `n / checkins_per_second` seconds (between `min_retry` and `max_retry`, with +-50%
+    jitter), so check-ins stay spread out however large the population is.
+    """
+
+    checkins_per_second: float = 100.0
+    min_retry: float = 1.0
+    max_retry: float = 300.0
+
+    def retry_after(self, population_size: int, rng: random.Random) -> float:
+        base = min(self.max_retry, max(self.min_retry, population_size / self.checkins_per_second))
+        return round(base * rng.uniform(0.5, 1.5), 3)
+
+
+def secret_hash(secret: str) -> str:
+    """What the store keeps of a secret (an enrollment token, a credential): its SHA-256."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class Store:
+    """The task store on a database (see the module docstring).
+
+    Args:
+      url: `sqlite:///PATH`, a file path (SQLite), or `postgresql://...`.
+      clock: the time in seconds since the epoch (tests pass their own).
+      pace: pace steering for check-ins.
+      max_connections: connections kept open for concurrent requests.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        clock: Callable[[], float] = time.time,
+        pace: Pace | None = None,
+        max_connections: int = 16,
+    ):
+        self.dialect = sql.dialect(url)
+        self.clock = clock
+        self.pace = pace or Pace()
+        self._idle: queue.LifoQueue[Any] = queue.LifoQueue()
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._all: list[Any] = []
+        self._lock = threading.Lock()
+        self._rng = random.Random()
+        try:
+            with self.transaction(write=True) as tx:
+                schema.install(tx)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- connections and transactions
+
+    @contextlib.contextmanager
+    def transaction(self, write: bool = False) -> Iterator[sql.Tx]:
+        """A transaction: committed if the block ends normally, rolled back otherwise."""
+        self._slots.acquire()
+        try:
+            try:
+                conn = self._idle.get_nowait()
+            except queue.Empty:
+                conn = self.dialect.connect()
+                with self._lock:
+                    self._all.append(conn)
+            try:
+                self.dialect.begin(conn, write)
+                yield sql.Tx(conn, self.dialect)
+                conn.execute("COMMIT")
+            except BaseException:
+                try:
+                    conn.execute("ROLLBACK")
+                except Exception:  # a broken connection is dropped, not reused
+                    self._discard(conn)
+                    raise
+                self._idle.put(conn)
+                raise
+            self._idle.put(conn)
+        finally:
+            self._slots.release()
+
+    def _discard(self, conn: Any) -> None:
+        with self._lock:
+            if conn in self._all:
+                self._all.remove(conn)
+        with contextlib.suppress(Exception):
+            conn.close()
+
+    def close(self) -> None:
+        """Closes every connection."""
+        with self._lock:
+            for conn in self._all:
+                with contextlib.suppress(Exception):
+                    conn.close()
+            self._all.clear()
+        self._idle = queue.LifoQueue()
+
+    # -- metadata (the server's key, its admin token)
+
+    def setdefault_meta(self, key: str, value: bytes) -> bytes:
+        """The stored value of `key`, storing `value` first if there is none."""
+        with self.transaction(write=True) as tx:
+            tx.run(
+                "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
+                (key, value),
+            )
+            return bytes(tx.one("SELECT value FROM meta WHERE key = ?", (key,))[0])
+
+
+    # -- populations and clients
+
+    def create_population(self, name: str) -> str:
+        """Creates a population; returns its enrollment token (stored only as a hash)."""
+        token = secrets.token_urlsafe(24)
+        with self.transaction(write=True) as tx:
+            added = tx.run(
+                "INSERT INTO populations (name, token_hash, created) VALUES (?, ?, ?)"
+                " ON CONFLICT (name) DO NOTHING",
+                (name, secret_hash(token), self.clock()),
+            )
+        if not added:
+            raise protocol.Conflict(
+                f"Expected a new population name, found {name!r}, which exists; pick another "
+                "name (its enrollment token was shown when it was created)."
+            )
+        return token
+
+    def populations(self) -> list[dict[str, Any]]:
+        with self.transaction() as tx:
+            rows = tx.all("SELECT name, clients, finished, created FROM populations ORDER BY name")
+        return [
+            {"name": n, "clients": c, "finished": bool(f), "created": t} for n, c, f, t in rows
+        ]
+
+    def finish_population(self, name: str) -> None:
+        """Marks a population finished: its clients are told to stop at their next check-in."""
+        with self.transaction(write=True) as tx:
+            if not tx.run("UPDATE populations SET finished = 1 WHERE name = ?", (name,)):
+                raise protocol.NotFound(f"Expected an existing population, found {name!r}.")
+
+    def enroll(self, population: str, token: str, ttl: float) -> tuple[str, str, float]:
+        """A new client of `population`: (client id, credential, expiry time).
+
+        Raises:
+          Unauthorized: if the enrollment token is not the population's.
+        """
+        with self.transaction(write=True) as tx:
+            row = tx.one("SELECT token_hash FROM populations WHERE name = ?", (population,))
+            if row is None or not secrets.compare_digest(row[0], secret_hash(token)):
+                tx.count("refused:enrollment")
+                bad = "unknown population" if row is None else "wrong enrollment token"
+                raise protocol.Unauthorized(
+                    f"Expected the enrollment token of population {population!r}, found a "
+                    f"{bad}; ask the server's operator for the token."
+                )
+            client_id = "c-" + secrets.token_hex(8)
+            credential = secrets.token_urlsafe(32)
+            now = self.clock()
+            tx.run(
+                "INSERT INTO clients (id, population, credential_hash, created, expires, last_seen)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (client_id, population, secret_hash(credential), now, now + ttl, now),
+            )
+            tx.run("UPDATE populations SET clients = clients + 1 WHERE name = ?", (population,))
+            tx.count("enrollments")
+        return client_id, credential, now + ttl
+
+    def authenticate(self, credential: str) -> tuple[str, str]:
+        """(client id, population) of a credential.
+
+        Raises:
+          Unauthorized: if the credential is unknown or expired.
+        """
+        with self.transaction() as tx:
+            row = tx.one(
+                "SELECT id, population, expires FROM clients WHERE credential_hash = ?",
+                (secret_hash(credential),),
+            )
+        if row is None:
+            raise protocol.Unauthorized(
+                "Expected a client credential from enrollment, found an unknown one; enroll "
+                "again with the population's token."
+            )
+        if row[2] <= self.clock():
+            raise protocol.Unauthorized(
+                f"Expected a valid client credential, found one that expired for client "
+                f"{row[0]}; enroll again with the population's token.",
+                reason="expired",
+            )
+        return row[0], row[1]
+
+    # -- blobs
+
+    def put_blob(self, data: bytes) -> str:
+        """Stores `data` under its hash (content-addressed: storing it again changes nothing)."""
+        h = protocol.blob_hash(data)
+        with self.transaction(write=True) as tx:
+            tx.run(
+                "INSERT INTO blobs (hash, size, data, created) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (hash) DO NOTHING",
+                (h, len(data), data, self.clock()),
+            )
+        return h
+
+    def get_blob(self, h: str) -> bytes:
+        with self.transaction() as tx:
+            row = tx.one("SELECT data FROM blobs WHERE hash = ?", (h,))
+        if row is None:
+            raise protocol.NotFound(f"Expected the hash of a stored blob, found {h!r}.")
+        return bytes(row[0])
+
+    def has_blob(self, h: str) -> bool:
+        with self.transaction() as tx:
+            return tx.one("SELECT 1 FROM blobs WHERE hash = ?", (h,)) is not None
+
+    # -- creating a task (a round, a session)
+
+    def new_id(
+        self, tx: sql.Tx, table: str, population: str, request_id: str | None
+    ) -> tuple[int, bool]:
+        """The id of a new row of `table` (`rounds`, `buffered_sessions`) for
+        `population`, and True; or the id of the row made for `request_id` before, and
+        False: creating a task is idempotent by request id, so a driver may retry it.
+        Once it returns a new id, `table` is locked against other creators until `tx`
+        ends (the caller inserts the row).
+
+        Raises:
+          NotFound: no such population.
+        """
+        query = f"SELECT id FROM {table} WHERE request_id = ?"
+        if request_id is not None and (row := tx.one(query, (request_id,))) is not None:
+            return int(row[0]), False
+        if tx.one("SELECT 1 FROM populations WHERE name = ?", (population,)) is None:
+            raise protocol.NotFound(
+                f"Expected an existing population, found {population!r}; create it first."
+            )
+        self.dialect.lock_table(tx, table)
+        if request_id is not None and (row := tx.one(query, (request_id,))) is not None:
+            return int(row[0]), False  # made by a concurrent retry while we waited
+        return int(tx.one(f"SELECT COALESCE(MAX(id), 0) + 1 FROM {table}")[0]), True
+
+    def task_row(
+        self, tx: sql.Tx, table: str, fields: str, task_id: int, what: str, lock: bool = False
+    ) -> Any:
+        """The row of task `task_id` in `table` (a round, a session: its `fields`), read
+        in `tx`; with `lock`, locked until `tx` ends: the lock a task's writers take.
+
+        Raises:
+          NotFound: no such task (`what` names it: "round", "session").
+        """
+        row = tx.one(
+            f"SELECT {fields} FROM {table} WHERE id = ?" + (self.dialect.lock_row if lock else ""),
+            (task_id,),
+        )
+        if row is None:
+            raise protocol.NotFound(f"Expected an existing {what} id, found {task_id}.")
+        return row
+
+    # -- pace steering and counters
+
+    def retry_after(self, population_size: int) -> float:
+        """Seconds a client with nothing to do waits before checking in again (`Pace`)."""
+        with self._lock:
+            return self.pace.retry_after(population_size, self._rng)
+
+    def count_refusal(
+        self, reason: str, update: tuple[str, tuple[Any, ...]] | None = None
+    ) -> None:
+        """Counts a refused request (`refused:REASON`) and runs `update` (a query and its
+        parameters: a mode's own counter of the task refused), in one transaction."""
+        with self.transaction(write=True) as tx:
+            tx.count(f"refused:{reason}")
+            if update is not None:
+                tx.run(*update)
+
+    def counters(self) -> dict[str, int]:
+        with self.transaction() as tx:
+            return {name: int(value) for name, value in tx.all("SELECT name, value FROM counters")}

@@ -1,0 +1,202 @@
+"""The deployment runtime: the same computation, its client work run as rounds on clients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedlang as fl
+from fedlang import deploy
+from fedlang.core import context
+from fedlang.learning import algorithms, models
+
+from ..conftest import POINT, secure_and_plain
+
+SPEC = {"x": (np.float32, [None, 2]), "y": (np.int32, [None])}
+
+
+def _model_fn():
+    return models.FunctionalModel(
+        init_fn=lambda rng: {"w": jnp.ones([2, 2]) * 0.1},
+        apply_fn=lambda p, x: x @ p["w"],
+        loss_fn=lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
+        input_spec=SPEC,
+    )
+
+
+def _client_batches(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 9))
+    x = rng.normal(size=(n, 2)).astype(np.float32)
+    y = (x[:, 0] > x[:, 1]).astype(np.int32)
+    return [{"x": x[i : i + 2], "y": y[i : i + 2]} for i in range(0, n, 2)]
+
+
+CLIENTS = {f"client{i}": _client_batches(i) for i in range(5)}
+
+
+def _deployment():
+    return deploy.DeploymentContext(
+        deploy.LocalRounds({cid: {"train": batches} for cid, batches in CLIENTS.items()})
+    )
+
+
+def test_fedavg_on_clients_equals_the_simulation_runtime():
+    process = algorithms.build_weighted_fed_avg(_model_fn, optax.sgd(0.5))
+    with fl.runtime.simulation_context():
+        state = process.initialize()
+        sim_state = state
+        for _ in range(3):
+            sim_state, sim_metrics = process.next(sim_state, list(CLIENTS.values()))
+    with _deployment() as ctx:  # computations called in the block run on the clients
+        dep_state = state
+        for _ in range(3):
+            dep_state, dep_metrics = process.next(dep_state, deploy.client_data("train"))
+    assert context.current_stack() == ()
+    assert len(ctx.rounds) == 3 and all(r.reports == 5 for r in ctx.rounds)
+    for a, b in zip(jax.tree.leaves(process.get_model_weights(dep_state)),
+                    jax.tree.leaves(process.get_model_weights(sim_state))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert int(dep_metrics["client_work"]["train"]["num_examples"]) == int(
+        sim_metrics["client_work"]["train"]["num_examples"]
+    )
+
+
+
+
+@fl.jax_computation(fl.SequenceType(POINT))
+def _stats(ds):
+    return ds.reduce(
+        {"s": np.float32(0), "m": np.int32(-1000)},
+        lambda st, p: {"s": st["s"] + p["a"], "m": jnp.maximum(st["m"], p["n"])},
+    )
+
+
+@fl.jax_computation({"s": np.float32, "m": np.int32})
+def _first(st):
+    return st["s"]
+
+
+@fl.jax_computation({"s": np.float32, "m": np.int32})
+def _second(st):
+    return st["m"]
+
+
+@fl.federated_computation(fl.type_at_clients(fl.SequenceType(POINT)), fl.type_at_server(np.float32))
+def _summary(data, scale):
+    stats = fl.federated_map(_stats, data)
+    sums = fl.federated_map(_first, stats)
+    return {
+        "sum": fl.federated_sum(sums),
+        "mean": fl.federated_mean(sums),
+        "max": fl.federated_max(fl.federated_map(_second, stats)),
+        "scale": scale,
+    }
+
+
+def test_one_round_serves_every_aggregation_of_a_wave():
+    data = {f"c{i}": [[{"a": np.float32(i + k), "n": np.int32(k * i)} for k in range(3)]] for i in range(4)}
+    local = {cid: {"d": batches[0]} for cid, batches in data.items()}
+    ctx = deploy.DeploymentContext(deploy.LocalRounds(local))
+    with context.with_context(ctx):
+        got = _summary(deploy.client_data("d"), np.float32(2.0))
+    want = _summary([b[0] for b in data.values()], np.float32(2.0))
+    assert len(ctx.rounds) == 1
+    for k in ("sum", "mean", "max", "scale"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
+
+
+def test_client_values_cannot_come_back_to_the_driver():
+    @fl.federated_computation(fl.type_at_clients(fl.SequenceType(POINT)))
+    def raw(data):
+        return fl.federated_map(_stats, data)
+
+    with context.with_context(_deployment()), pytest.raises(deploy.DeploymentError, match="placed at CLIENTS"):
+        raw(deploy.client_data("train"))
+
+
+def test_the_driver_cannot_pass_client_data_itself():
+    with context.with_context(_deployment()), pytest.raises(deploy.DeploymentError, match="client_data"):
+        _summary([[{"a": np.float32(1), "n": np.int32(1)}]], np.float32(1.0))
+
+
+def test_sequence_operations_at_the_server_are_refused_before_running():
+    @fl.federated_computation(fl.SequenceType(np.float32))
+    def server_sum(ds):
+        return fl.sequence_sum(ds)
+
+    with context.with_context(_deployment()), pytest.raises(TypeError, match="deployment runtime cannot run sequence_sum"):
+        server_sum([np.float32(1)])
+
+
+def test_a_task_needing_data_the_client_lacks_says_which():
+    ctx = deploy.DeploymentContext(deploy.LocalRounds({"c": {"other": []}}))
+    with context.with_context(ctx), pytest.raises(KeyError, match="--data train=PATH"):
+        _summary(deploy.client_data("train"), np.float32(1.0))
+
+
+# ----------------------------------------------------------------------------
+# Secure aggregation: inputs are summed by SecAgg+, results equal the simulation's exactly
+
+
+
+
+def test_secure_sums_on_clients_equal_the_simulation_exactly():
+    rng = np.random.default_rng(3)
+    data = {
+        f"c{i}": [{"a": np.float32(0), "n": np.int32(v)} for v in rng.integers(-40, 90, size=4)]
+        for i in range(9)
+    }
+    ctx = deploy.DeploymentContext(deploy.LocalRounds({c: {"d": b} for c, b in data.items()}))
+    with context.with_context(ctx):
+        got = secure_and_plain(deploy.client_data("d"))
+    want = secure_and_plain(list(data.values()))
+    for k in ("bits", "mod", "plain"):
+        for name in ("q", "r"):
+            np.testing.assert_array_equal(got[k][name], want[k][name])
+    assert ctx.rounds[0].reports == 9 and ctx.rounds[0].details["secagg_degree"] >= 2
+
+
+class _Recording:
+    """A round runner that records each plan and runs it with LocalRounds."""
+
+    def __init__(self, clients):
+        self.local = deploy.LocalRounds(clients)
+        self.plans = []
+
+    def run_round(self, plan, broadcast):
+        self.plans.append(plan)
+        return self.local.run_round(plan, broadcast)
+
+
+def test_plain_reports_of_a_secure_round_carry_no_secure_input():
+    runner = _Recording({"c": {"d": [{"a": np.float32(0), "n": np.int32(5)}]}})
+    with context.with_context(deploy.DeploymentContext(runner)):
+        secure_and_plain(deploy.client_data("d"))
+    (plan,) = runner.plans
+    assert plan.secure == (0, 1)
+    # Only federated_sum's partial travels in the plain report; the others go masked.
+    assert len(plan.report_type) == 1 and len(plan.aggregate_type) == 3
+    assert plan.secure_segments(1) == [(1, 2**6), (3, 2**6), (1, 7), (3, 7)]
+
+
+def test_dp_over_secure_aggregation_trains_the_same_weights_as_simulation():
+    from fedlang import aggregators
+
+    factory = aggregators.DifferentiallyPrivateFactory.gaussian_fixed(
+        noise_multiplier=0.5,
+        clients_per_round=5,
+        clip=1.0,
+        record_aggregation_factory=aggregators.SecureSumFactory(1.0, -1.0, bits=20),
+    )
+    process = algorithms.build_unweighted_fed_avg(_model_fn, optax.sgd(0.5), model_aggregator=factory)
+    state = process.initialize()
+    with fl.runtime.simulation_context():
+        sim_state, _ = process.next(state, list(CLIENTS.values()))
+    ctx = _deployment()
+    with context.with_context(ctx):
+        dep_state, _ = process.next(state, deploy.client_data("train"))
+    for a, b in zip(jax.tree.leaves(process.get_model_weights(dep_state)),
+                    jax.tree.leaves(process.get_model_weights(sim_state))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,34 @@
+"""Fixtures of the task store's tests: a store on each database, a clock tests move."""
+
+import pytest
+
+from fedlang.deploy.store import store as store_lib
+
+
+class Clock:
+    def __init__(self, now=1_000_000.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def store(db_url, clock):
+    s = store_lib.Store(db_url, clock=clock, pace=store_lib.Pace(min_retry=0.5, max_retry=5.0))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def token(store):
+    return store.create_population("pop")
+
+
+def enroll(store, n, population="pop", token=None, ttl=3600.0):
+    return [store.enroll(population, token, ttl)[0] for _ in range(n)]

@@ -1,0 +1,192 @@
+"""Rounds in the task store: assignment, reports, closing, on SQLite and on PostgreSQL
+(`db_url` runs each test on both)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from fedlang.deploy import protocol
+from fedlang.deploy.plans import execution, folding
+from fedlang.deploy.store import rounds as rounds_lib
+from fedlang.deploy.store import store as store_lib
+
+from .conftest import enroll
+
+
+@pytest.fixture
+def rounds(store):
+    return rounds_lib.Rounds(store)
+
+
+@pytest.fixture
+def folder(sum_round):
+    return folding.Folder(sum_round[0])
+
+
+def report(sum_round, *rows):
+    plan, broadcast = sum_round
+    return execution.run_plan(plan, broadcast, {"train": [np.array(r, np.float32) for r in rows]})
+
+
+def open_round(rounds, folder, target=3, population="pop", **options):
+    plan = rounds.store.put_blob(b"signed plan")
+    broadcast = rounds.store.put_blob(b"broadcast")
+    options = rounds_lib.CohortOptions(target, **options)
+    return rounds.create(population, plan, broadcast, options, folder.empty())
+
+
+def accept(rounds, folder, round_id, client, data):
+    checked = folder.check(data)
+    return rounds.accept(round_id, client, protocol.blob_hash(data), len(data),
+                         lambda agg: folder.fold(agg, checked))
+
+
+def test_checkin_assigns_up_to_the_over_selected_cohort(rounds, store, folder, token):
+    r = open_round(rounds, folder, target=2, over_selection=0.5)  # capacity 3
+    clients = enroll(store, 5, token=token)
+    answers = [rounds.checkin(c, "pop") for c in clients]
+    tasks = [a for a in answers if isinstance(a, rounds_lib.Task)]
+    assert len(tasks) == 3 and all(t.round == r.id for t in tasks)
+    waits = [a for a in answers if not isinstance(a, rounds_lib.Task)]
+    assert len(waits) == 2 and all(0.25 <= w <= 7.5 for w in waits)
+    # a client that checks in again (e.g. restarted) gets its task again, not a second one
+    assert rounds.checkin(clients[0], "pop") == tasks[0]
+    assert rounds.round(r.id).assigned == 3
+
+
+def test_a_report_is_folded_once_and_replays_change_nothing(rounds, store, folder, token, sum_round):
+    r = open_round(rounds, folder, target=3)
+    a, b, c = enroll(store, 3, token=token)
+    for x in (a, b, c):
+        rounds.checkin(x, "pop")
+    first = report(sum_round, [1, 2, 3])
+    assert accept(rounds, folder, r.id, a, first) is True
+    assert accept(rounds, folder, r.id, a, first) is False  # replay: no change
+    with pytest.raises(protocol.Conflict, match="different one"):
+        accept(rounds, folder, r.id, a, report(sum_round, [9, 9, 9]))
+    row, aggregate = rounds.aggregate(r.id)
+    assert row.reports == 1
+    np.testing.assert_allclose(folder.results(aggregate)[0], [1, 2, 3])
+    # the client is not given the round it reported for again
+    assert not isinstance(rounds.checkin(a, "pop"), rounds_lib.Task)
+
+
+def test_reports_for_tasks_not_given_are_forbidden(rounds, store, folder, token, sum_round):
+    r = open_round(rounds, folder)
+    (a,) = enroll(store, 1, token=token)
+    with pytest.raises(protocol.Forbidden, match="was not assigned"):
+        accept(rounds, folder, r.id, a, report(sum_round, [1, 1, 1]))
+    assert rounds.round(r.id).reports == 0
+
+
+def test_the_round_closes_at_its_target_and_late_reports_are_refused(rounds, store, folder, token, sum_round):
+    r = open_round(rounds, folder, target=2, over_selection=0.5)
+    a, b, c = enroll(store, 3, token=token)
+    for x in (a, b, c):
+        rounds.checkin(x, "pop")
+    accept(rounds, folder, r.id, a, report(sum_round, [1, 0, 0]))
+    accept(rounds, folder, r.id, b, report(sum_round, [0, 1, 0]))
+    row = rounds.round(r.id)
+    assert (row.state, row.reports, row.dropped) == ("closed", 2, 1)
+    with pytest.raises(protocol.Gone, match="too late"):
+        accept(rounds, folder, r.id, c, report(sum_round, [0, 0, 1]))
+    rounds.count_refusal("late", r.id)
+    assert rounds.round(r.id).late == 1
+    np.testing.assert_allclose(folder.results(rounds.aggregate(r.id)[1])[0], [1, 1, 0])
+    assert store.counters()["dropouts"] == 1
+
+
+def test_at_the_deadline_a_round_closes_with_its_quorum_or_fails(rounds, store, folder, token, sum_round, clock):
+    ok = open_round(rounds, folder, target=3, quorum=1, deadline=10.0)
+    a, b = enroll(store, 2, token=token)
+    rounds.checkin(a, "pop")
+    rounds.checkin(b, "pop")
+    accept(rounds, folder, ok.id, a, report(sum_round, [1, 0, 0]))
+    short = open_round(rounds, folder, target=3, quorum=2, deadline=10.0)
+    rounds.checkin(a, "pop")
+    clock.now += 11
+    assert rounds.close_due() == 2
+    assert rounds.round(ok.id).state == "closed" and rounds.round(ok.id).dropped == 1
+    failed = rounds.round(short.id)
+    assert failed.state == "failed"
+    assert "0 of the 2 reports its quorum needs" in failed.failure
+
+
+def test_round_creation_is_idempotent_by_request_id(rounds, store, folder, token):
+    options = rounds_lib.CohortOptions(2)
+    first = rounds.create("pop", "p", "b", options, folder.empty(), request_id="req-1")
+    again = rounds.create("pop", "p", "b", options, folder.empty(), request_id="req-1")
+    assert first.id == again.id and len(rounds.rounds()) == 1
+    with pytest.raises(protocol.NotFound, match="create it first"):
+        rounds.create("other", "p", "b", options, folder.empty())
+
+
+@pytest.mark.parametrize("bad", [
+    dict(target=0), dict(target=2, quorum=3), dict(target=2, over_selection=-1),
+    dict(target=2, deadline=0.0), dict(target=2, deadline=float("nan")),
+    dict(target=2, deadline=10.0, stage_timeout=11.0), dict(target=2, stage_timeout=0.0),
+])
+def test_cohort_options_are_checked(bad):
+    with pytest.raises(ValueError, match="Expected"):
+        rounds_lib.CohortOptions(**bad)
+
+
+def test_a_secure_rounds_stage_timeout_defaults_to_a_quarter_of_the_deadline():
+    assert rounds_lib.CohortOptions(2, deadline=100.0).stage_seconds == 25.0
+    assert rounds_lib.CohortOptions(2, deadline=100.0, stage_timeout=5.0).stage_seconds == 5.0
+
+
+def test_concurrent_reports_are_each_folded_exactly_once(rounds, store, folder, token, sum_round):
+    n = 8
+    r = open_round(rounds, folder, target=n)
+    clients = enroll(store, n, token=token)
+    for c in clients:
+        rounds.checkin(c, "pop")
+    reports = [report(sum_round, [i, 1, 0]) for i in range(n)]
+    errors = []
+
+    def upload(i):
+        try:
+            for _ in range(2):  # every client also replays its report
+                accept(rounds, folder, r.id, clients[i], reports[i])
+        except Exception as e:  # pragma: no cover - shown by the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=upload, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    row, aggregate = rounds.aggregate(r.id)
+    assert (row.state, row.reports) == ("closed", n)
+    np.testing.assert_allclose(folder.results(aggregate)[0], [sum(range(n)), n, 0])
+
+
+def test_the_state_survives_reopening_the_database(db_url, clock, folder, sum_round):
+    s = store_lib.Store(db_url, clock=clock)
+    rounds = rounds_lib.Rounds(s)
+    token = s.create_population("pop")
+    r = open_round(rounds, folder, target=2)
+    (a,) = enroll(s, 1, token=token)
+    rounds.checkin(a, "pop")
+    accept(rounds, folder, r.id, a, report(sum_round, [1, 2, 3]))
+    s.close()
+    again = store_lib.Store(db_url, clock=clock)
+    try:
+        rounds = rounds_lib.Rounds(again)
+        assert rounds.round(r.id).reports == 1
+        assert accept(rounds, folder, r.id, a, report(sum_round, [1, 2, 3])) is False
+        assert again.setdefault_meta("k", b"1") == b"1" and again.setdefault_meta("k", b"2") == b"1"
+    finally:
+        again.close()
+
+
+def test_a_finished_population_tells_clients_to_stop(rounds, store, token):
+    (a,) = enroll(store, 1, token=token)
+    store.finish_population("pop")
+    assert rounds.checkin(a, "pop") is None
+    with pytest.raises(protocol.NotFound):
+        store.finish_population("nope")
+

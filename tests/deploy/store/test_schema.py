@@ -1,0 +1,162 @@
+"""The task store's schema: a database made by an older fedlang opens and keeps its data,
+on SQLite and on PostgreSQL (`db_url` runs each test on both)."""
+
+import contextlib
+
+import pytest
+
+from fedlang.deploy.store import rounds as rounds_lib
+from fedlang.deploy.store import schema, sql
+from fedlang.deploy.store import sessions as sessions_lib
+from fedlang.deploy.store import store as store_lib
+
+# The whole schema of version 1 as fedlang wrote it, before the buffered sessions'
+# tables lost their `async_` names (store.py and async_store.py of that version).
+V1 = [
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value {blob} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS populations (name TEXT PRIMARY KEY, token_hash TEXT NOT NULL,"
+    " clients {int} NOT NULL DEFAULT 0, finished {int} NOT NULL DEFAULT 0, created {real} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS clients (id TEXT PRIMARY KEY, population TEXT NOT NULL,"
+    " credential_hash TEXT NOT NULL UNIQUE, created {real} NOT NULL, expires {real} NOT NULL,"
+    " last_seen {real} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS blobs (hash TEXT PRIMARY KEY, size {int} NOT NULL,"
+    " data {blob} NOT NULL, created {real} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS rounds (id {int} PRIMARY KEY, population TEXT NOT NULL,"
+    " kind TEXT NOT NULL, state TEXT NOT NULL, request_id TEXT UNIQUE, plan TEXT NOT NULL,"
+    " broadcast TEXT NOT NULL, target {int} NOT NULL, capacity {int} NOT NULL,"
+    " quorum {int} NOT NULL, deadline {real} NOT NULL, created {real} NOT NULL, closed {real},"
+    " assigned {int} NOT NULL DEFAULT 0, reports {int} NOT NULL DEFAULT 0,"
+    " late {int} NOT NULL DEFAULT 0, dropped {int} NOT NULL DEFAULT 0,"
+    " refused {int} NOT NULL DEFAULT 0, failure TEXT NOT NULL DEFAULT '')",
+    "CREATE INDEX IF NOT EXISTS rounds_by_state ON rounds (population, state)",
+    "CREATE TABLE IF NOT EXISTS assignments (round {int} NOT NULL, client TEXT NOT NULL,"
+    " state TEXT NOT NULL, assigned {real} NOT NULL, updated {real} NOT NULL,"
+    " PRIMARY KEY (round, client))",
+    "CREATE INDEX IF NOT EXISTS assignments_by_client ON assignments (client, state)",
+    "CREATE TABLE IF NOT EXISTS reports (round {int} NOT NULL, client TEXT NOT NULL,"
+    " stage {int} NOT NULL DEFAULT 0, digest TEXT NOT NULL, size {int} NOT NULL,"
+    " accepted {real} NOT NULL, PRIMARY KEY (round, client, stage))",
+    "CREATE TABLE IF NOT EXISTS aggregates (round {int} PRIMARY KEY, data {blob} NOT NULL,"
+    " reports {int} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value {int} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS secure_rounds (round {int} PRIMARY KEY, stage {int} NOT NULL,"
+    " stage_timeout {real} NOT NULL, stage_deadline {real} NOT NULL,"
+    " answered {int} NOT NULL DEFAULT 0, state {blob} NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS secure_requests (round {int} NOT NULL, client TEXT NOT NULL,"
+    " stage {int} NOT NULL, data {blob} NOT NULL, PRIMARY KEY (round, client, stage))",
+    "CREATE TABLE IF NOT EXISTS async_sessions (id {int} PRIMARY KEY, population TEXT NOT NULL,"
+    " state TEXT NOT NULL, request_id TEXT UNIQUE, plan TEXT NOT NULL, version {int} NOT NULL,"
+    " weights TEXT NOT NULL, server_state TEXT NOT NULL DEFAULT '', buffer_size {int} NOT NULL,"
+    " max_staleness {int} NOT NULL, applied_through {int} NOT NULL DEFAULT 0,"
+    " reports {int} NOT NULL DEFAULT 0, refused_stale {int} NOT NULL DEFAULT 0,"
+    " created {real} NOT NULL, updated {real} NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS async_sessions_by_state ON async_sessions (population, state)",
+    "CREATE TABLE IF NOT EXISTS async_versions (session {int} NOT NULL, version {int} NOT NULL,"
+    " weights TEXT NOT NULL, server_state TEXT NOT NULL, through {int} NOT NULL,"
+    " published {real} NOT NULL, PRIMARY KEY (session, version))",
+    "CREATE TABLE IF NOT EXISTS async_tasks (session {int} NOT NULL, client TEXT NOT NULL,"
+    " version {int} NOT NULL, state TEXT NOT NULL, assigned {real} NOT NULL,"
+    " PRIMARY KEY (session, client, version))",
+    "CREATE TABLE IF NOT EXISTS async_reports (session {int} NOT NULL, seq {int} NOT NULL,"
+    " client TEXT NOT NULL, version {int} NOT NULL, staleness {int} NOT NULL,"
+    " digest TEXT NOT NULL, size {int} NOT NULL, data {blob} NOT NULL, accepted {real} NOT NULL,"
+    " applied {int}, PRIMARY KEY (session, seq), UNIQUE (session, client, version))",
+]
+PLAN, W0 = "a" * 64, "b" * 64
+
+
+@contextlib.contextmanager
+def raw(db_url):
+    """A transaction on the database itself, below the store."""
+    dialect = sql.dialect(db_url)
+    conn = dialect.connect()
+    try:
+        dialect.begin(conn, True)
+        yield sql.Tx(conn, dialect)
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def make_version_1(db_url, version=b"1"):
+    """A database as fedlang's schema version 1 left it: a population with one enrolled
+    client, an open round it was assigned, and an open buffered session at version 0
+    with one accepted report of that client."""
+    with raw(db_url) as tx:
+        for statement in V1:
+            tx.run(statement.format(**tx.dialect.types))
+        tx.run("INSERT INTO meta (key, value) VALUES ('schema', ?)", (version,))
+        tx.run("INSERT INTO populations (name, token_hash, clients, created)"
+               " VALUES ('pop', ?, 1, 1.0)", (store_lib.secret_hash("token"),))
+        tx.run("INSERT INTO clients (id, population, credential_hash, created, expires,"
+               " last_seen) VALUES ('c-1', 'pop', ?, 1.0, 9e9, 1.0)",
+               (store_lib.secret_hash("credential"),))
+        tx.run("INSERT INTO rounds (id, population, kind, state, plan, broadcast, target,"
+               " capacity, quorum, deadline, created, assigned) VALUES (1, 'pop', 'aggregate',"
+               " 'open', ?, ?, 2, 2, 2, 9e9, 1.0, 1)", (PLAN, W0))
+        tx.run("INSERT INTO assignments (round, client, state, assigned, updated)"
+               " VALUES (1, 'c-1', 'assigned', 1.0, 1.0)")
+        tx.run("INSERT INTO aggregates (round, data, reports) VALUES (1, ?, 0)", (b"agg",))
+        tx.run("INSERT INTO async_sessions (id, population, state, plan, version, weights,"
+               " buffer_size, max_staleness, reports, created, updated) VALUES (1, 'pop',"
+               " 'open', ?, 0, ?, 2, 1, 1, 1.0, 1.0)", (PLAN, W0))
+        tx.run("INSERT INTO async_versions (session, version, weights, server_state, through,"
+               " published) VALUES (1, 0, ?, '', 0, 1.0)", (W0,))
+        tx.run("INSERT INTO async_tasks (session, client, version, state, assigned)"
+               " VALUES (1, 'c-1', 0, 'reported', 1.0)")
+        tx.run("INSERT INTO async_reports (session, seq, client, version, staleness, digest,"
+               " size, data, accepted) VALUES (1, 1, 'c-1', 0, 0, 'd1', 2, ?, 1.0)", (b"r1",))
+
+
+def stored_version(db_url):
+    with raw(db_url) as tx:
+        return bytes(tx.one("SELECT value FROM meta WHERE key = 'schema'")[0])
+
+
+def test_a_version_1_database_opens_with_its_rounds_and_buffered_sessions(db_url):
+    make_version_1(db_url)
+    store = store_lib.Store(db_url)
+    try:
+        assert stored_version(db_url) == str(schema.VERSION).encode()
+        assert store.authenticate("credential") == ("c-1", "pop")
+        rounds = rounds_lib.Rounds(store)
+        assert rounds.checkin("c-1", "pop").round == 1  # its assignment held
+        sessions = sessions_lib.Sessions(store)
+        s = sessions.session(1)
+        assert (s.state, s.version, s.reports, s.pending) == ("open", 0, 1, 1)
+        assert [(r.seq, r.client, r.data) for r in sessions.reports(1, after=0)] == [
+            (1, "c-1", b"r1")]
+        assert sessions.precheck(1, "c-1", 0, "d1") is True  # the replay of its report
+        sessions.publish(1, 1, W0, PLAN, through=1)
+        assert sessions.checkin("c-1", "pop").version == 1
+        assert sessions.accept(1, "c-1", 1, "d2", b"r2") is True
+        assert sessions.status(sessions.session(1))["staleness_histogram"] == {"0": 2}
+    finally:
+        store.close()
+    # the old names are gone (each dialect raises its own error)
+    with raw(db_url) as tx, pytest.raises(Exception):  # noqa: B017
+        tx.one("SELECT COUNT(*) FROM async_sessions")
+    reopened = store_lib.Store(db_url)  # a migrated database opens as any other
+    try:
+        assert sessions_lib.Sessions(reopened).session(1).version == 1
+    finally:
+        reopened.close()
+
+
+def test_a_new_database_is_at_the_current_version(db_url):
+    store_lib.Store(db_url).close()
+    assert stored_version(db_url) == str(schema.VERSION).encode()
+
+
+@pytest.mark.parametrize("version", [b"3", b"x"])
+def test_a_database_of_a_newer_or_unknown_version_is_refused_unchanged(db_url, version):
+    make_version_1(db_url, version=version)
+    with pytest.raises(ValueError, match=f"schema version {schema.VERSION}.*found version"):
+        store_lib.Store(db_url)
+    assert stored_version(db_url) == version
+    with raw(db_url) as tx:
+        assert tx.one("SELECT COUNT(*) FROM async_sessions")[0] == 1
+
+
+def test_every_version_before_the_current_one_has_a_migration():
+    assert sorted(schema.MIGRATIONS) == list(range(1, schema.VERSION))
