@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/analytics.py           # the full run (tens of minutes on 2 cores)
     .venv/bin/python bench/analytics.py --quick   # small sizes, a few minutes
+    .venv/bin/python bench/analytics.py --only heavy --method TrieHH   # one table's rows
 
 1. Heavy hitters: precision and recall of the top-k found by TrieHH and by the IBLT
    sketch against the true top-k, for epsilon in {1, 3, 10, inf}, on the data of
@@ -48,7 +49,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> None:
     print(flush=True)
 
 
-def heavy_hitters(quick: bool) -> list[dict[str, Any]]:
+def heavy_hitters(quick: bool, methods: list[str] | None = None) -> list[dict[str, Any]]:
     clients_n, vocab, k = (600, 3000, 20) if quick else (10_000, 50_000, 100)
     max_len, prefixes = 10, 256
     clients = wf.make_clients(clients_n, vocab)
@@ -60,6 +61,8 @@ def heavy_hitters(quick: bool) -> list[dict[str, Any]]:
             ("TrieHH", lambda e=eps: wf.run_triehh(encoded, k, max_len, prefixes, e)),
             ("IBLT", lambda e=eps: wf.run_iblt(encoded, k, max_len, vocab, e)),
         ]:
+            if methods and name not in methods:
+                continue
             start = time.perf_counter()
             found = run()
             seconds = time.perf_counter() - start
@@ -216,12 +219,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, a few minutes")
     parser.add_argument("--only", choices=["heavy", "hist", "hll", "cohort"], action="append")
+    parser.add_argument("--method", choices=["TrieHH", "IBLT"], action="append",
+                        help="with heavy hitters: only these methods' rows")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(cohort_child(int(args.child[0]), args.child[1])))
         return {}
-    parts = {"heavy": heavy_hitters, "hist": histograms, "hll": hyperloglog, "cohort": cohorts}
+    parts = {"heavy": lambda quick: heavy_hitters(quick, args.method), "hist": histograms,
+             "hll": hyperloglog, "cohort": cohorts}
     results = {}
     for name in args.only or list(parts):
         results[name] = parts[name](args.quick)

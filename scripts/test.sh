@@ -5,7 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh dev
-./scripts/browser_setup.sh  # onnxruntime-web (npm) and Chromium (apt-get) for the browser tests
+# onnxruntime-web (npm) and, as root without /usr/bin/chromium, Debian's chromium
+# (apt-get, a system package) for the browser tests; FEDLANG_BROWSER_SETUP=0 installs
+# neither. Where they cannot be had, the browser tests are skipped, saying why.
+./scripts/browser_setup.sh
 .venv/bin/ruff check src tests examples bench
 .venv/bin/mypy
 if [ "${FEDLANG_SLOW:-0}" = "1" ]; then

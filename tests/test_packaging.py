@@ -48,7 +48,7 @@ def test_the_examples_extra_installs_what_every_example_imports():
 
 def test_the_tensorboard_extra_installs_the_viewer_the_cli_names():
     assert "tensorboard" in extra("tensorboard")
-    cli = (ROOT / "src" / "fedlang" / "cli.py").read_text()
+    cli = (ROOT / "src" / "fedlang" / "cli" / "training.py").read_text()
     assert "pip install 'fedlang[tensorboard]'" in cli
 
 

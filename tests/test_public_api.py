@@ -47,6 +47,9 @@ PUBLIC = {
     "signing",
     "type_at_clients",
     "type_at_server",
+    # client state (issue 25)
+    "ClientStates",
+    "with_client_state",
 }
 
 

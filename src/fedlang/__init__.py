@@ -15,6 +15,8 @@ from fedlang import templates as templates
 from fedlang.backends.jax import jax_computation as jax_computation
 from fedlang.core import context as _context
 from fedlang.core import signing as signing
+from fedlang.core.client_state import ClientStates as ClientStates
+from fedlang.core.client_state import with_client_state as with_client_state
 from fedlang.core.computation import Computation as Computation
 from fedlang.core.operators import federated_aggregate as federated_aggregate
 from fedlang.core.operators import federated_apply as federated_apply

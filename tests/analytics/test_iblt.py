@@ -28,6 +28,14 @@ def test_overloaded_table_reports_what_it_could_not_decode():
     assert all(s.startswith(b"s") for s in decoded.items)  # nothing garbled was decoded
 
 
+def test_a_sketch_that_does_not_decode_raises_and_names_capacity():
+    # ~430 distinct words in a table for 50 returned items=[] without a word.
+    clients = [[f"word{i}" for i in range(j, 430, 3)] for j in range(3)]
+    with pytest.raises(ValueError, match=r"more distinct strings than capacity=50.*capacity=100"):
+        analytics.iblt_heavy_hitters(clients, max_len=8, capacity=50)
+    assert len(analytics.iblt_heavy_hitters(clients, max_len=8, capacity=600).items) == 430
+
+
 def test_peel_is_linear_in_clients():
     algo = analytics.IBLT(max_len=4, capacity=10)
     a = analytics.data.encode_clients([["x", "y"]], 4).datasets[0]

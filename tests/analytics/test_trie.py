@@ -1,3 +1,5 @@
+import collections
+
 import numpy as np
 import pytest
 
@@ -25,6 +27,44 @@ def test_one_vote_per_client_counts_clients():
         hh = analytics.triehh(clients, max_len=2, votes="one", seed=3)
     # Each of the 3 non-empty clients votes for one of its strings, once.
     assert sum(hh.counts) == 3 and set(hh.items) <= {"a", "b", "c"} and "c" in hh.items
+
+
+def _prefix_heavy_clients(num_clients=300, seed=0):
+    # Frequent words share prefixes (the, then, there, this, that), as in English.
+    rng = np.random.default_rng(seed)
+    vocab = ["the", "to", "and", "of", "that", "this", "then", "there", "a", "in", "it", "is",
+             "i", "you", "was", "for", "on", "with", "he", "she", "they"] + [f"w{i:03d}" for i in range(400)]
+    p = 1.0 / np.arange(1, len(vocab) + 1) ** 1.1
+    p /= p.sum()
+    return [[str(w) for w in rng.choice(vocab, size=rng.integers(5, 60), p=p)] for _ in range(num_clients)]
+
+
+def test_one_vote_per_client_counts_clients_draws_of_the_whole_run():
+    # Each client draws one of its strings, once, and votes with it in every round: a
+    # string's count is the number of clients that drew it, an estimate of its client
+    # share. Drawing afresh each round among the live strings over-counted long words
+    # (few candidates in late rounds: 'there' got 137 votes, 'the' 75) and lost frequent
+    # ones whose prefixes' votes were spread over their siblings.
+    clients = _prefix_heavy_clients()
+    share = collections.Counter()
+    for words in clients:
+        for w, k in collections.Counter(words).items():
+            share[w] += k / len(words)
+    hh = analytics.triehh(clients, max_len=5, threshold=3, votes="one", seed=0)
+    found = dict(zip(hh.items, hh.counts.tolist()))
+    assert sum(found.values()) <= len(clients)  # one vote per client, in all
+    assert hh.items[:3] == [w for w, _ in share.most_common(3)]  # the, to, and
+    for w, s in share.most_common(6):
+        # a sum of independent draws: variance sum p(1-p) <= s; 4 standard deviations
+        assert abs(found.get(w, 0) - s) <= 4 * np.sqrt(s) + 1, (w, found.get(w), s)
+
+
+def test_a_flat_list_of_strings_is_refused():
+    # triehh(["hello", "world"]) made two clients of one letter each.
+    with pytest.raises(TypeError, match=r"one list of strings per client, found the string 'hello'"):
+        analytics.triehh(["hello", "world"], max_len=8)
+    with pytest.raises(TypeError, match="one list of strings per client"):
+        analytics.iblt_heavy_hitters("hello", max_len=8)
 
 
 def test_capacity_keeps_the_most_voted_prefixes():

@@ -8,7 +8,32 @@ import numpy as np
 import pytest
 
 import fedlang as fl
-from fedlang.deploy import client as client_lib
+from fedlang.deploy.client import client as client_lib
+
+
+@pytest.mark.parametrize("num_clients", [1, 3, 9, 10, 20])
+def test_the_partition_gives_every_training_example_to_one_client(load_script, num_clients):
+    # With fewer than 10 clients some digits had no holder (`high <= 0`).
+    example = load_script("examples/deploy_digits.py")
+    clients, test = example.partition(num_clients)
+    assert len(clients) == num_clients
+    assert sum(len(c["y"]) for c in clients) + len(test["y"]) == 1797
+    assert all(len(c["y"]) for c in clients)
+
+
+def test_the_partition_refuses_a_number_of_clients_it_cannot_serve(load_script):
+    example = load_script("examples/deploy_digits.py")
+    with pytest.raises(ValueError, match=r"between 1 and 1438 clients.*found 0; pass another --clients"):
+        example.partition(0)
+
+
+@pytest.mark.slow
+def test_fedavg_on_3_client_processes(load_script, tmp_path):
+    # About 25 s: three client processes start, enroll and train two rounds.
+    example = load_script("examples/deploy_digits.py")
+    result = example.run(rounds=2, num_clients=3, workdir=tmp_path, verbose=False)
+    assert [r.reports for r in result["rounds"]] == [3, 3]
+    assert result["accuracy"][-1] > 0.5, result["accuracy"]  # chance is 0.1
 
 
 @pytest.mark.slow

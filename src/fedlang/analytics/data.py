@@ -65,8 +65,20 @@ def encode_clients(
       >>> [len(d) for d in enc.datasets], enc.truncated
       ([1, 0, 1], 1)
     """
+    if isinstance(clients, str | bytes):
+        raise TypeError(
+            f"Expected one list of strings per client, found the string {_short(clients)}; "
+            "pass a list of clients' lists, e.g. [[\"hello\", \"world\"]] for one client."
+        )
     datasets, truncated = [], 0
     for words in clients:
+        if isinstance(words, str | bytes):
+            raise TypeError(
+                f"Expected one list of strings per client, found the string {_short(words)} "
+                "where a client's list belongs (a flat list of strings would make each "
+                "string a client and each character a string); pass [[\"hello\", \"world\"]] "
+                "for one client holding both, or [[\"hello\"], [\"world\"]] for two."
+            )
         words = list(words)
         batches = []
         for i in range(0, len(words), batch_size):
@@ -75,3 +87,7 @@ def encode_clients(
             batches.append({"bytes": enc.bytes, "length": enc.lengths})
         datasets.append(batches)
     return EncodedClients(datasets, truncated)
+
+
+def _short(text: str | bytes) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:37]) + "..."

@@ -13,7 +13,9 @@ loses it). The server *peels*: a cell whose entries all divide by its count into
 (below 256), with zeros past the length, whose check matches and which is one of the
 string's 3 cells, decodes to `(s, c)`; `s` is subtracted from its 3 cells, and so on
 until no cell decodes. Decoding succeeds when the table has about 1.3 cells per
-distinct string or more (`capacity`); the counts are exact.
+distinct string or more (`capacity`); the counts are exact. A sum that does not decode
+completely (more distinct strings than `capacity`) raises rather than return the
+strings it could peel, which may miss the most frequent ones.
 
 Privacy: with `Privacy(z, clip)` a second round counts the decoded strings again with a
 DP sum (each client's vector of counts over the candidates, clipped to L2 norm `clip`,
@@ -130,9 +132,24 @@ class IBLT:
         return peel(np.asarray(table), self.max_len, self.cells_per_hash)
 
     def run(self, client_datasets: Sequence[Any], top_k: int | None = None) -> trie.HeavyHitters:
-        """Sketches, decodes and (with DP) counts privately, in the current runtime."""
+        """Sketches, decodes and (with DP) counts privately, in the current runtime.
+
+        Raises:
+          ValueError: if the summed sketch does not decode completely (more distinct
+            strings than `capacity`), naming the capacity to try.
+        """
         datasets = list(client_datasets)
         decoded = self.decode(self.build()(datasets))
+        if decoded.undecoded_cells:
+            raise ValueError(
+                f"Expected the summed sketch to decode completely, found "
+                f"{decoded.undecoded_cells} of its {NUM_HASHES * self.cells_per_hash} cells "
+                f"undecodable after peeling {len(decoded.items)} strings: the clients hold "
+                f"more distinct strings than capacity={self.capacity} allows, so the result "
+                f"would miss some (perhaps the most frequent). Raise capacity above the number "
+                f"of distinct strings (capacity={2 * self.capacity} is a safe next try); "
+                "IBLT.decode returns the strings decoded so far."
+            )
         items, counts = decoded.items, decoded.counts.astype(np.float64)
         rounds = 1
         if self.privacy is not None and items:
@@ -263,6 +280,11 @@ def iblt_heavy_hitters(
     secure: bool = False,
 ) -> trie.HeavyHitters:
     """Heavy hitters of the clients' strings (one list per client) with an IBLT sketch.
+
+    Raises:
+      ValueError: if the summed sketch does not decode completely (more distinct
+        strings than `capacity`): raise `capacity`.
+      TypeError: if `client_strings` is a flat list of strings, not one list per client.
 
     Example:
       >>> hh = iblt_heavy_hitters([["a", "bb", "a"], ["a", "c"], []], max_len=4, capacity=10)

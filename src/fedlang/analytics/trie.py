@@ -11,8 +11,24 @@ One round is one federated computation: the live prefixes travel as two 32-bit h
 each (clients compare hashes of their strings' prefixes, computed in JAX with
 `strings.hash_bytes`), and the votes as an `int32[max_prefixes * 257]` sum (256 bytes
 plus the end marker). A client votes with every string it holds (`votes='all'`: the
-counts are the strings' occurrences), or with one string chosen at random among those
-that extend a live prefix (`votes='one'`, the paper's sampling).
+counts are the strings' occurrences), or with one string (`votes='one'`).
+
+What `votes='one'` counts. The paper's users each contribute one word for the whole run
+(its analysis holds a user's word fixed; TFF's TrieHH likewise lets a client vote with
+the same few words, `max_user_contribution` of its most frequent, in every round). So
+each client draws one of its strings uniformly at random (with the run's `seed`), once:
+the same string in every round, whether or not its prefix is live. In round `r` it votes
+for that string's byte `r` (or its end) while the string's first `r` bytes are a live
+prefix. A prefix's votes are then the number of clients whose drawn string extends it,
+never more than any of its own prefixes had, and a string's count is the number of
+clients that drew it: an unbiased estimate of its *client share*, the sum over clients
+of (its occurrences on the client / the client's number of strings), not of its
+occurrences. The ranking follows client shares, with sampling noise of about
+sqrt(count); a string that is frequent overall but thinly spread over clients holding
+many strings (expected draws below `threshold`) is lost, e.g. a word said 1,000 times by
+300 clients holding 50 words each has a share of about 20. (Until fedlang 0.1 each round
+drew afresh among the strings extending a live prefix: late rounds had few candidates,
+so long strings were over-counted and frequent prefixes lost.)
 
 Privacy: with `Privacy(z, clip)` the vote vector is summed by the DP factory (clipped to
 L2 norm `clip`, Gaussian noise `z * clip` per entry; with `votes='one'` one client's
@@ -103,9 +119,10 @@ class TrieHH:
       max_prefixes: the most prefixes kept per round (the vote vector's rows).
       threshold: the votes an extension needs to be kept (default 1 without DP,
         `4 * z * clip` with DP).
-      votes: 'all' (every string votes) or 'one' (one random string per client).
+      votes: 'all' (every string votes; counts are occurrences) or 'one' (one string
+        per client, drawn once per run; counts are clients, see the module docstring).
       privacy: a `Privacy`, or None.
-      seed: the seed of the clients' sampling with `votes='one'`.
+      seed: the seed of the clients' draws with `votes='one'`.
     """
 
     max_len: int = 16
@@ -164,23 +181,35 @@ class TrieHH:
 
                 return dataset.reduce(jnp.zeros(k * EXTENSIONS, jnp.int32), step, masked=True)
 
+            # The client's one string is drawn uniformly among all of its strings, the
+            # same in every round of a run (not among those extending a live prefix, nor
+            # afresh each round: see the module docstring); it votes while that string's
+            # prefix is live. A string's priority hashes it with its position and a salt
+            # of the client's data so far, so that clients holding the same string at the
+            # same position still draw independently.
             def pick(state, batch, mask):
                 cell, ok, b, n = cells(batch, mask)
-                index = state["seen"] + jnp.arange(n.shape[0], dtype=jnp.uint32)
-                prio = strings.hash_bytes(b, n, trie["seed"] ^ (index * jnp.uint32(0x9E3779B9)))
-                prio = jnp.where(ok, prio, jnp.uint32(0xFFFFFFFF))
+                real = mask > 0
+                index = state["seen"] + jnp.cumsum(real.astype(jnp.uint32))
+                position = index * jnp.uint32(0x9E3779B9)
+                content = strings.hash_bytes(b, n, trie["seed"] ^ position)
+                salt = state["salt"] + jnp.sum(jnp.where(real, content, jnp.uint32(0)),
+                                               dtype=jnp.uint32)
+                prio = strings.hash_bytes(b, n, salt ^ position)
+                prio = jnp.where(real, prio, jnp.uint32(0xFFFFFFFF))
                 i = jnp.argmin(prio)
-                better = ok[i] & (~state["has"] | (prio[i] < state["prio"]))
+                better = real[i] & (~state["has"] | (prio[i] < state["prio"]))
                 return {"prio": jnp.where(better, prio[i], state["prio"]),
                         "cell": jnp.where(better, cell[i], state["cell"]),
-                        "has": state["has"] | ok[i],
-                        "seen": state["seen"] + jnp.uint32(n.shape[0])}
+                        "ok": jnp.where(better, ok[i], state["ok"]),
+                        "has": state["has"] | real[i],
+                        "seen": index[-1], "salt": salt}
 
-            init = {"prio": jnp.uint32(0xFFFFFFFF), "cell": jnp.int32(0),
-                    "has": jnp.bool_(False), "seen": jnp.uint32(0)}
+            init = {"prio": jnp.uint32(0xFFFFFFFF), "cell": jnp.int32(0), "ok": jnp.bool_(False),
+                    "has": jnp.bool_(False), "seen": jnp.uint32(0), "salt": jnp.uint32(0)}
             best = dataset.reduce(init, pick, masked=True)
             return jnp.zeros(k * EXTENSIONS, jnp.int32).at[best["cell"]].add(
-                best["has"].astype(jnp.int32))
+                (best["has"] & best["ok"]).astype(jnp.int32))
 
         return client_votes
 
@@ -235,7 +264,7 @@ class TrieHH:
             live = sort_by_hash(live, width)
             table, valid = prefix_table(live, width, cap)
             trie = {"prefixes": table, "valid": valid, "length": np.int32(r),
-                    "seed": np.uint32((self.seed * 1000003 + r) % 2**32)}
+                    "seed": np.uint32(self.seed % 2**32)}
             out = comp(datasets, trie, state)
             state = out["state"]
             votes = np.asarray(out["votes"], np.float64).reshape(cap, EXTENSIONS)
@@ -271,6 +300,12 @@ def triehh(
     seed: int = 0,
 ) -> HeavyHitters:
     """Heavy hitters of the clients' strings (one list per client) with TrieHH.
+
+    With `votes='one'` the counts are clients' draws, not occurrences (see the module
+    docstring).
+
+    Raises:
+      TypeError: if `client_strings` is a flat list of strings, not one list per client.
 
     Example:
       >>> hh = triehh([["a", "bb", "a"], ["a", "c"], []], max_len=4)

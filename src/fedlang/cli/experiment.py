@@ -1,18 +1,22 @@
-"""Experiments from a TOML config: data, model, algorithm, evaluation, driver (the CLI's).
+"""The experiment config of `fedlang demo` and `fedlang train`: data, model, algorithm,
+evaluation and driver, from a TOML file.
 
 A config has the tables `[data]`, `[model]`, `[algorithm]` (with
 `[algorithm.client_optimizer]`, `[algorithm.server_optimizer]`), `[training]` and
 `[output]`; every key has a default (`DEFAULTS`, which is `fedlang demo`'s run), and
-an unknown key is an error. See docs/cli.md for the reference.
+an unknown key is an error. `fedlang train --help` lists them (the training
+module's help text), and a test keeps that list equal to `DEFAULTS`.
 
-This module is the CLI's: its errors are `ConfigError`s worded for a config file and
-the `fedlang train` flags, raised before any training starts where that is possible.
+Its errors are `ConfigError`s worded for a config file and the `fedlang train` flags,
+raised before any training starts where that is possible.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import itertools
+import json
 import math
 import pathlib
 import shutil
@@ -24,7 +28,7 @@ import numpy as np
 
 from fedlang import simulation as sim
 from fedlang.core import types
-from fedlang.simulation import checkpoint, inspection
+from fedlang.simulation import checkpoint, inspection, metrics
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "data": {
@@ -51,6 +55,9 @@ _NOT_FINGERPRINTED = {"training": ("rounds", "evaluate_every", "checkpoint_every
 # The `fedlang train` flag that overrides a config key, for advice in messages.
 FLAGS = {"training.rounds": "--rounds", "output.dir": "--output-dir",
          "output.resume": "--resume/--no-resume"}
+# The package a dataset is read with, where fedlang itself does not depend on it:
+# dataset -> (module to import, distribution, the fedlang extra that installs it).
+NEEDS = {"digits": ("sklearn.datasets", "scikit-learn", "examples")}
 # A train loss this many times a uniform guess's means the run diverged.
 DIVERGED = 10.0
 
@@ -89,7 +96,8 @@ def _merge(defaults: Mapping[str, Any], given: Mapping[str, Any], where: str) ->
         name = f"{where}.{key}" if where else key
         if key not in defaults:
             raise ConfigError(f"Expected keys among {sorted(defaults)} in [{where or 'top level'}], "
-                              f"found unknown key {name!r}. Check its spelling (docs/cli.md).")
+                              f"found unknown key {name!r}. Check its spelling (`fedlang train "
+                              "--help` lists every table and key).")
         default = defaults[key]
         if isinstance(default, Mapping):
             if not isinstance(value, Mapping):
@@ -117,12 +125,16 @@ def load_config(path: str | pathlib.Path | None = None, **overrides: Any) -> dic
     Raises:
       FileNotFoundError: if the file does not exist.
       ConfigError: (a `ValueError`) for invalid TOML, unknown keys or wrong types.
+      ImportError: when the dataset needs a package that is not installed.
     """
     given: dict[str, Any] = {}
     if path is not None:
         path = pathlib.Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"Expected a TOML config at {path}, found none. See docs/cli.md.")
+            raise FileNotFoundError(
+                f"Expected a TOML config at {path}, found none. Check the path; every key is "
+                "optional, so an empty file runs the demo's config (`fedlang train --help` "
+                "lists every table and key).")
         try:
             given = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -131,6 +143,7 @@ def load_config(path: str | pathlib.Path | None = None, **overrides: Any) -> dic
     for table, values in overrides.items():
         config[table] = _merge(config[table], {k: v for k, v in values.items() if v is not None}, table)
     _check(config)
+    check_installed(config)
     return config
 
 
@@ -151,6 +164,24 @@ def _check(c: dict[str, Any]) -> None:
         opt = c["algorithm"][key]
         if opt.get("name") not in OPTIMIZERS:
             raise ConfigError(f"Expected algorithm.{key}.name in {list(OPTIMIZERS)}, found {opt.get('name')!r}.")
+
+
+def check_installed(config: Mapping[str, Any]) -> None:
+    """Refuses, before anything is printed or run, a dataset whose reader is not installed.
+
+    Raises:
+      ImportError: naming the package and the pip command that installs it.
+    """
+    module, package, extra = NEEDS.get(config["data"]["dataset"], (None, "", ""))
+    if module is None:
+        return
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"Expected {package}, which reads the {config['data']['dataset']!r} dataset (the "
+            f"demo's), found it not installed ({e}). Install it: pip install "
+            f"'fedlang[{extra}]' (or pip install {package}).") from e
 
 
 def fingerprint_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -397,6 +428,20 @@ def _check_checkpoints(ckpt_dir: pathlib.Path, rounds: int, resume: bool) -> Non
             "--output-dir DIR to start a new one.")
 
 
+def unfinished(ckpt_dir: pathlib.Path, config: Mapping[str, Any]) -> bool:
+    """Whether the newest checkpoint in `ckpt_dir` is of `config`'s run (any rounds) and
+    short of its `training.rounds`: a run stopped early, which running it again resumes."""
+    latest = checkpoint.latest(ckpt_dir)
+    if latest is None:
+        return False
+    try:
+        saved = checkpoint.load(latest)
+    except checkpoint.CheckpointError:
+        return False  # unreadable: start over
+    this_run = json.loads(json.dumps(metrics.to_python(fingerprint_config(config))))
+    return saved.round_num < config["training"]["rounds"] and saved.config.get("config") == this_run
+
+
 def describe(config: Mapping[str, Any]) -> str:
     """The experiment in a few words, e.g. 'fedavg, mlp on digits: cohorts of 10 of 32
     clients (fedlang-demo)'."""
@@ -441,7 +486,9 @@ def run(config: Mapping[str, Any], *, progress: bool | None = None, fresh: bool 
     Args:
       config: from `load_config`.
       progress: show the progress bar (None: when a terminal).
-      fresh: delete the output directory's checkpoints first (the demo does).
+      fresh: delete the output directory's checkpoints first (the demo does), unless
+        they are of this config's run stopped short of its rounds (a demo interrupted
+        with Ctrl-C): that run resumes.
 
     Returns:
       The `TrainingResult`.
@@ -455,7 +502,7 @@ def run(config: Mapping[str, Any], *, progress: bool | None = None, fresh: bool 
         _check_checkpoints(ckpt_dir, t["rounds"], config["output"]["resume"])
     train, test = load_data(config)
     process, eval_process = build_processes(config, build_model_fn(config, train.structure))
-    if fresh:
+    if fresh and not unfinished(ckpt_dir, config):
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     bs, buf, epochs = d["batch_size"], d["shuffle_buffer"], d["epochs"]
 

@@ -1,6 +1,7 @@
-"""The deployment commands of the `fedlang` CLI: `serve`, `client` and `status`.
+"""`fedlang serve`, `fedlang client` and `fedlang status URL`: the deployment's commands.
 
-See docs/deploy.md. FastAPI, uvicorn and httpx are imported only when a command runs.
+FastAPI, uvicorn and httpx (`pip install 'fedlang[deploy]'`) are imported only when a
+command runs.
 """
 
 from __future__ import annotations
@@ -13,39 +14,32 @@ from typing import Annotated, Any
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-_console = Console()
-_errors = Console(stderr=True)
-
-
-def _fail(error: BaseException, code: int = 1) -> typer.Exit:
-    _errors.print(f"[bold red]Error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
-    return typer.Exit(code)
+from fedlang.cli import console
 
 
 def serve(
-    db: Annotated[str, typer.Option(help="sqlite:///PATH, a file path, or postgresql://...")]
+    db: Annotated[str, typer.Option(metavar="URL", help="sqlite:///PATH, a file path, or postgresql://...")]
     = "fedlang.db",
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port (0: any free port).")] = 8000,
+    host: Annotated[str, typer.Option(metavar="ADDRESS", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(metavar="N", help="Port (0: any free port).")] = 8000,
     admin_token: Annotated[str | None, typer.Option(
-        envvar="FEDLANG_ADMIN_TOKEN", help="The admin token (default: kept in the database).")]
+        envvar="FEDLANG_ADMIN_TOKEN", metavar="TOKEN", help="The admin token (default: kept in the database).")]
     = None,
     key_file: Annotated[pathlib.Path | None, typer.Option(
-        help="The plan-signing key file (made if missing; default: kept in the database).")]
+        metavar="PATH", help="The plan-signing key file (made if missing; default: kept in the database).")]
     = None,
     population: Annotated[list[str] | None, typer.Option(
-        help="Create this population if it is new and print its enrollment token (repeatable).")]
+        metavar="NAME", help="Create this population if it is new and print its enrollment token (repeatable).")]
     = None,
-    min_retry: Annotated[float, typer.Option(help="Shortest wait between client check-ins.")]
+    min_retry: Annotated[float, typer.Option(metavar="SECONDS", help="Shortest wait between client check-ins.")]
     = 1.0,
-    credential_ttl: Annotated[float, typer.Option(help="Seconds a client credential lasts.")]
+    credential_ttl: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds a client credential lasts.")]
     = 30 * 86400,
-    ssl_keyfile: Annotated[str | None, typer.Option(help="TLS private key (PEM).")] = None,
-    ssl_certfile: Annotated[str | None, typer.Option(help="TLS certificate (PEM).")] = None,
+    ssl_keyfile: Annotated[str | None, typer.Option(metavar="PATH", help="TLS private key (PEM).")] = None,
+    ssl_certfile: Annotated[str | None, typer.Option(metavar="PATH", help="TLS certificate (PEM).")] = None,
     browser: Annotated[bool, typer.Option(
         help="Serve the browser client at /browser/fedlang.js (with onnxruntime-web).")] = False,
     demo_page: Annotated[bool, typer.Option(
@@ -54,8 +48,8 @@ def serve(
 ) -> None:
     """Serve a task store: clients check in for tasks; the driver opens rounds."""
     from fedlang.deploy import protocol
-    from fedlang.deploy import server as server_lib
-    from fedlang.deploy import store as store_lib
+    from fedlang.deploy.server import serve as server_lib
+    from fedlang.deploy.store import store as store_lib
 
     try:
         server = server_lib.Server(
@@ -64,7 +58,7 @@ def serve(
             browser=browser, demo_page=demo_page,
         )
     except (OSError, ValueError, ImportError) as e:
-        raise _fail(e) from e
+        console.fail(e)
     print(f"fedlang task store at {server.url} (database {db})", flush=True)
     if demo_page:
         print(f"demo page: {server.url}/demo/", flush=True)
@@ -101,24 +95,25 @@ def _data_value(path: str, batch_size: int) -> Any:
 
 
 def client(
-    server: Annotated[str, typer.Option(help="The server's URL.")],
-    population: Annotated[str, typer.Option(help="The population to enroll in.")],
+    server: Annotated[str, typer.Option(metavar="URL", help="The server's URL.")],
+    population: Annotated[str, typer.Option(metavar="NAME", help="The population to enroll in.")],
     data: Annotated[list[str], typer.Option(
-        help="NAME=PATH: a dataset by name, an .npz file of arrays (e.g. x, y) or a store "
+        metavar="NAME=PATH", help="NAME=PATH: a dataset by name, an .npz file of arrays (e.g. x, y) or a store "
              "directory of one client (repeatable).")],
-    token: Annotated[str | None, typer.Option(envvar="FEDLANG_TOKEN",
+    token: Annotated[str | None, typer.Option(envvar="FEDLANG_TOKEN", metavar="TOKEN",
                                               help="The population's enrollment token.")] = None,
-    batch_size: Annotated[int, typer.Option(help="Rows per batch.")] = 20,
+    batch_size: Annotated[int, typer.Option(metavar="N", help="Rows per batch.")] = 20,
     credential_file: Annotated[pathlib.Path | None, typer.Option(
-        help="Keep the credential and the pinned server key here between runs.")] = None,
-    max_tasks: Annotated[int | None, typer.Option(help="Stop after this many reports.")] = None,
-    patience: Annotated[float, typer.Option(help="Seconds to retry an unreachable server.")]
+        metavar="PATH", help="Keep the credential and the pinned server key here between runs.")] = None,
+    max_tasks: Annotated[int | None, typer.Option(metavar="N", help="Stop after this many reports.")] = None,
+    patience: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds to retry an unreachable server.")]
     = 300.0,
     verbose: Annotated[bool, typer.Option(help="Log each step.")] = True,
 ) -> None:
     """Run a client: check in, run tasks on local data, upload reports (connects out only)."""
-    from fedlang.deploy import client as client_lib
-    from fedlang.deploy import http, protocol
+    from fedlang.deploy import protocol
+    from fedlang.deploy.client import client as client_lib
+    from fedlang.deploy.client import connection as http
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(message)s")
@@ -136,25 +131,25 @@ def client(
         ) as c:
             done = c.run()
     except (protocol.ProtocolError, http.ServerUnavailable, OSError, ValueError, KeyError) as e:
-        raise _fail(e) from e
-    _console.print(f"{done} tasks done.")
+        console.fail(e)
+    console.out.print(f"{done} tasks done.")
 
 
 def status(
-    url: Annotated[str, typer.Argument(help="The server's URL.")],
-    patience: Annotated[float, typer.Option(help="Seconds to retry an unreachable server.")]
+    url: Annotated[str, typer.Argument(metavar="URL", help="The server's URL.")],
+    patience: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds to retry an unreachable server.")]
     = 5.0,
 ) -> None:
     """Print a server's status: rounds, check-ins, reports accepted and refused, dropouts."""
-    from fedlang.deploy import http
+    from fedlang.deploy.client import connection as http
 
     try:
         connection = http.Connection(url, patience=patience)
         doc = connection.json("GET", "/v1/status")
         connection.close()
     except (http.ServerUnavailable, http.ServerError, ValueError) as e:
-        raise _fail(e) from e
-    _console.print(status_tables(doc))
+        console.fail(e)
+    console.out.print(status_tables(doc))
 
 
 def status_tables(doc: dict[str, Any]) -> Table:
@@ -215,7 +210,7 @@ def session_table(sessions: list[dict[str, Any]]) -> Table:
 
 
 def register(app: typer.Typer) -> None:
-    """Adds the commands to the `fedlang` app."""
+    """Adds `fedlang serve`, `fedlang client` and `fedlang status` to the `fedlang` app."""
     app.command()(serve)
     app.command()(client)
     app.command()(status)
