@@ -20,7 +20,7 @@ from fastapi import responses
 from starlette import concurrency
 
 from fedlang.deploy import protocol
-from fedlang.deploy.server import common, rounds, schemas, secure, sessions
+from fedlang.deploy.server import common, guard, rounds, routing, schemas, secure, sessions
 from fedlang.deploy.server import state as state_lib
 
 ROUTERS = (common.router, rounds.router, secure.router, sessions.router)
@@ -61,8 +61,13 @@ def create_app(server: state_lib.ServerState, tick: float = 1.0) -> fastapi.Fast
 
     @app.exception_handler(protocol.ProtocolError)
     async def refused(_: fastapi.Request, e: protocol.ProtocolError) -> responses.JSONResponse:
-        return responses.JSONResponse({"detail": str(e), "reason": e.reason}, status_code=e.status)
+        return guard.refusal(e)
 
     for router in ROUTERS:
         app.include_router(router)
+    binary = [
+        r for router in ROUTERS for r in router.routes
+        if isinstance(r, fastapi.routing.APIRoute) and r.openapi_extra == routing.BINARY_BODY
+    ]
+    app.add_middleware(guard.Guard, server=server, binary=binary)
     return app

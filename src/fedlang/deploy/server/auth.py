@@ -38,7 +38,27 @@ def admin(server: state_lib.ServerState, auth: security.HTTPAuthorizationCredent
     Raises:
       Unauthorized: no token, or another one.
     """
-    given = token(auth, "the server's admin token")
+    _check_admin(server, token(auth, "the server's admin token"))
+
+
+def admin_header(server: state_lib.ServerState, authorization: str | None) -> None:
+    """`admin` for a raw `Authorization` header, read before the request's body
+    (`guard.Guard`).
+
+    Raises:
+      Unauthorized: no bearer token, or another one.
+    """
+    scheme, _, credentials = (authorization or "").partition(" ")
+    given = credentials.strip() if scheme.lower() == "bearer" else ""
+    if not given:
+        raise protocol.Unauthorized(
+            "Expected an 'Authorization: Bearer ...' header with the server's admin token, "
+            "found none."
+        )
+    _check_admin(server, given)
+
+
+def _check_admin(server: state_lib.ServerState, given: str) -> None:
     if not secrets.compare_digest(given.encode(), server.admin_token.encode()):
         raise protocol.Unauthorized(
             "Expected the server's admin token, found another token; it is printed when "

@@ -1,0 +1,99 @@
+"""What every request passes before any route reads its body (issue 23, item 1).
+
+A route's body parameters are parsed by FastAPI before the route's own code runs, so a
+check written in the route comes after the server has read, held and parsed whatever a
+stranger sent. `Guard`, an ASGI middleware in front of every route, does two things
+first, in this order:
+
+1. a request for an admin route (`/v1/admin/...`) must carry the admin token, or it is
+   refused (401) before a byte of its body is read;
+2. a request for any route but the binary uploads is read up to `JSON_LIMIT` bytes and
+   refused (413) past it, from its declared length or as it streams in. The binary
+   uploads (reports, secure-aggregation answers, blobs) read their own bodies with the
+   limit of their task (`intake.read_limited`), after checking their caller.
+
+So no request without a credential costs the server more than its headers and
+`JSON_LIMIT` bytes, and the answer to a tokenless admin request is 401 whatever its body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fastapi import responses, routing
+from starlette import datastructures
+from starlette import routing as starlette_routing
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from fedlang.deploy import protocol
+from fedlang.deploy.server import auth
+from fedlang.deploy.server import state as state_lib
+
+# The largest body of a JSON route: every one holds a few names, hashes and numbers.
+JSON_LIMIT = 64 << 10
+ADMIN = f"{protocol.API}/admin/"
+
+
+def refusal(e: protocol.ProtocolError) -> responses.JSONResponse:
+    """The answer to a refused request: its status, the message and the reason."""
+    return responses.JSONResponse({"detail": str(e), "reason": e.reason}, status_code=e.status)
+
+
+class Guard:
+    """The checks before any body is read (see the module docstring)."""
+
+    def __init__(
+        self, app: ASGIApp, server: state_lib.ServerState, binary: Iterable[routing.APIRoute]
+    ) -> None:
+        self.app, self.server, self.binary = app, server, tuple(binary)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            if scope["path"].startswith(ADMIN):
+                headers = datastructures.Headers(scope=scope)
+                auth.admin_header(self.server, headers.get("authorization"))
+            if not self._reads_own_body(scope):
+                receive = await _bounded(scope, receive)
+        except protocol.ProtocolError as e:
+            await refusal(e)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _reads_own_body(self, scope: Scope) -> bool:
+        return any(r.matches(scope)[0] == starlette_routing.Match.FULL for r in self.binary)
+
+
+async def _bounded(scope: Scope, receive: Receive) -> Receive:
+    """Reads the whole body, at most `JSON_LIMIT` bytes, and returns a `receive` that
+    gives it to the route (then whatever the client sends next, e.g. a disconnect).
+
+    Raises:
+      TooLarge: a declared or actual length above the limit.
+    """
+    declared = datastructures.Headers(scope=scope).get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > JSON_LIMIT:
+        raise protocol.TooLarge(f"Expected a body of at most {JSON_LIMIT} bytes, found {declared}.")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client went away
+            return _replay([message], receive)
+        size += len(message.get("body", b""))
+        if size > JSON_LIMIT:
+            raise protocol.TooLarge(f"Expected a body of at most {JSON_LIMIT} bytes, found more.")
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
