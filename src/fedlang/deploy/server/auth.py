@@ -41,6 +41,17 @@ def admin(server: state_lib.ServerState, auth: security.HTTPAuthorizationCredent
     _check_admin(server, token(auth, "the server's admin token"))
 
 
+def is_admin(
+    server: state_lib.ServerState, auth: security.HTTPAuthorizationCredentials | None
+) -> bool:
+    """Whether the request carries the admin token (routes that answer others too)."""
+    try:
+        admin(server, auth)
+    except protocol.Unauthorized:
+        return False
+    return True
+
+
 def admin_header(server: state_lib.ServerState, authorization: str | None) -> None:
     """`admin` for a raw `Authorization` header, read before the request's body
     (`guard.Guard`).

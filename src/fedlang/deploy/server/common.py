@@ -108,11 +108,16 @@ def download_blob(
     server: State,
     if_none_match: Annotated[str | None, fastapi.Header()] = None,
 ) -> responses.Response:
-    """A blob by hash (immutable: cache it; `If-None-Match` gives 304)."""
-    try:
-        auth_lib.admin(server, auth)
-    except protocol.Unauthorized:
-        auth_lib.client(server, auth)
+    """A blob by hash (immutable: cache it; `If-None-Match` gives 304). The admin reads
+    any blob; a client only those a task of its own population names (404 otherwise,
+    as for a blob that does not exist)."""
+    if not auth_lib.is_admin(server, auth):
+        _, population = auth_lib.client(server, auth)
+        if not server.store.names_blob(population, blob):
+            raise protocol.NotFound(
+                f"Expected the hash of a blob a task of population {population!r} names, "
+                f"found {blob!r}."
+            )
     if if_none_match is not None and if_none_match.strip('"') == blob:
         if not server.store.has_blob(blob):
             raise protocol.NotFound(f"Expected the hash of a stored blob, found {blob!r}.")
@@ -124,7 +129,8 @@ def download_blob(
 
 
 @router.get("/status", tags=["status"])
-def status(server: State) -> schemas.StatusOut:
+def status(server: State, auth: auth_lib.Bearer) -> schemas.StatusOut:
     """Rounds, check-ins, reports accepted and refused (by reason), late reports and
-    dropouts."""
-    return schemas.StatusOut(**server.status())
+    dropouts. Without the admin token, nothing that names a plan or a blob: the rounds'
+    `plan` and `broadcast` are null."""
+    return schemas.StatusOut(**server.status(hashes=auth_lib.is_admin(server, auth)))

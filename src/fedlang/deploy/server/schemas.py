@@ -75,8 +75,13 @@ class RoundOut(pydantic.BaseModel):
         description="'aggregate': one report per client; 'secure': the stages of SecAgg+."
     )
     state: str = pydantic.Field(description="open, closed or failed.")
-    plan: str = pydantic.Field(description="The blob of the signed plan clients download.")
-    broadcast: str
+    plan: str | None = pydantic.Field(
+        description="The blob of the signed plan clients download (null in the status "
+        "without the admin token)."
+    )
+    broadcast: str | None = pydantic.Field(
+        description="The blob of the broadcast value (null as `plan`)."
+    )
     target: int
     capacity: int = pydantic.Field(description="Clients that may be assigned (over-selection).")
     quorum: int

@@ -53,15 +53,19 @@ class ServerState:
         self.rounds.close_due()
         self.secure.close_due()
 
-    def status(self) -> dict[str, Any]:
+    def status(self, hashes: bool = True) -> dict[str, Any]:
         """What `GET /v1/status` shows: counters, populations, the latest rounds and
-        sessions."""
+        sessions; without `hashes` (a caller without the admin token), the rounds'
+        plan and broadcast hashes are left out (null)."""
         counters = self.store.counters()
         refused = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("refused:")}
         return {
             "server": {"version": VERSION, "public_key": plan_lib.b64(self.public_key)},
             "populations": self.store.populations(),
-            "rounds": [r.to_json() for r in self.rounds.rounds()],
+            "rounds": [
+                r.to_json() if hashes else {**r.to_json(), "plan": None, "broadcast": None}
+                for r in self.rounds.rounds()
+            ],
             "enrollments": counters.get("enrollments", 0),
             "checkins": counters.get("checkins", 0),
             "assignments": counters.get("assignments", 0),

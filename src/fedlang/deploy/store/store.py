@@ -256,6 +256,20 @@ class Store:
         with self.transaction() as tx:
             return tx.one("SELECT 1 FROM blobs WHERE hash = ?", (h,)) is not None
 
+    def names_blob(self, population: str, h: str) -> bool:
+        """Whether a task of `population` names blob `h`: a round's signed plan or
+        broadcast, a buffered session's signed plan or one of its versions' weights. A
+        client may read only these (populations are isolated from each other)."""
+        with self.transaction() as tx:
+            return tx.one(
+                "SELECT 1 FROM rounds WHERE population = ? AND (plan = ? OR broadcast = ?)"
+                " UNION ALL SELECT 1 FROM buffered_sessions WHERE population = ?"
+                " AND (plan = ? OR weights = ?)"
+                " UNION ALL SELECT 1 FROM buffered_versions v JOIN buffered_sessions s"
+                " ON s.id = v.session WHERE s.population = ? AND v.weights = ?",
+                (population, h, h, population, h, h, population, h),
+            ) is not None
+
     # -- creating a task (a round, a session)
 
     def new_id(
