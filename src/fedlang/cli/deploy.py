@@ -1,4 +1,5 @@
-"""`fedlang serve`, `fedlang client` and `fedlang status URL`: the deployment's commands.
+"""`fedlang serve`, `fedlang client`, `fedlang status URL`, `fedlang revoke` and
+`fedlang rotate-token`: the deployment's commands.
 
 FastAPI, uvicorn and httpx (`pip install 'fedlang[deploy]'`) are imported only when a
 command runs.
@@ -209,9 +210,54 @@ def session_table(sessions: list[dict[str, Any]]) -> Table:
     return table
 
 
+AdminToken = Annotated[str, typer.Option(
+    envvar="FEDLANG_ADMIN_TOKEN", metavar="TOKEN", help="The server's admin token.")]
+
+
+def _admin_call(url: str, admin_token: str, call: Any) -> Any:
+    """`call(admin)` on the server at `url`; a refusal or an unreachable server fails
+    the command with the server's sentence."""
+    from fedlang.deploy import protocol
+    from fedlang.deploy.client import connection as http
+    from fedlang.deploy.driver import admin as admin_lib
+
+    try:
+        with admin_lib.Admin(url, admin_token, patience=5.0) as admin:
+            return call(admin)
+    except (protocol.ProtocolError, http.ServerUnavailable, http.ServerError, ValueError) as e:
+        console.fail(e)
+
+
+def revoke(
+    url: Annotated[str, typer.Argument(metavar="URL", help="The server's URL.")],
+    client_id: Annotated[str, typer.Argument(metavar="CLIENT", help="The client's id (c-...).")],
+    admin_token: AdminToken,
+) -> None:
+    """Revoke a client: its credential stops working at once (rotate its population's
+    token too if the device still holds it)."""
+    population = _admin_call(url, admin_token, lambda a: a.revoke_client(client_id))
+    console.out.print(f"revoked client {escape(client_id)} of population {escape(population)}")
+
+
+def rotate_token(
+    url: Annotated[str, typer.Argument(metavar="URL", help="The server's URL.")],
+    population: Annotated[str, typer.Argument(metavar="POPULATION", help="The population.")],
+    admin_token: AdminToken,
+    max_enrollments: Annotated[int | None, typer.Option(
+        min=1, metavar="N", help="How many clients the new token may enroll (default: any).")]
+    = None,
+) -> None:
+    """Print a new enrollment token for a population; the old one stops enrolling."""
+    token = _admin_call(url, admin_token, lambda a: a.rotate_token(population, max_enrollments))
+    console.out.print(f"enrollment token for {escape(population)}: {token}")
+
+
 def register(app: typer.Typer) -> None:
-    """Adds `fedlang serve`, `fedlang client` and `fedlang status` to the `fedlang` app."""
+    """Adds `fedlang serve`, `client`, `status`, `revoke` and `rotate-token` to the
+    `fedlang` app."""
     app.command()(serve)
     app.command()(client)
     app.command()(status)
+    app.command()(revoke)
+    app.command("rotate-token")(rotate_token)
 

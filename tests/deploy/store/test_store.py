@@ -36,3 +36,40 @@ def test_blobs_are_content_addressed(store):
 def test_database_urls_are_checked(tmp_path):
     with pytest.raises(ValueError, match="Expected a database URL"):
         store_lib.Store("mysql://x/y")
+
+
+def test_an_enrollment_token_is_capped_rotated_and_refusals_are_counted(store):
+    token = store.create_population("capped", max_enrollments=2)
+    store.enroll("capped", token, 60.0)
+    store.enroll("capped", token, 60.0)
+    with pytest.raises(protocol.Forbidden, match="enrolled its 2 clients") as e:
+        store.enroll("capped", token, 60.0)
+    assert e.value.reason == "enrollment_cap"
+    with pytest.raises(protocol.Unauthorized):
+        store.enroll("capped", "wrong", 60.0)
+    # refusals are counted even though the transaction that counts them refuses
+    assert store.counters()["refused:enrollment_cap"] == 1
+    assert store.counters()["refused:enrollment"] == 1
+    (pop,) = store.populations()
+    assert (pop["clients"], pop["token_enrollments"], pop["max_enrollments"]) == (2, 2, 2)
+    new = store.rotate_token("capped", max_enrollments=1)
+    with pytest.raises(protocol.Unauthorized, match="wrong enrollment token"):
+        store.enroll("capped", token, 60.0)  # the old token enrolls no more
+    store.enroll("capped", new, 60.0)
+    with pytest.raises(protocol.Forbidden):
+        store.enroll("capped", new, 60.0)
+    assert store.populations()[0]["clients"] == 3
+    with pytest.raises(protocol.NotFound):
+        store.rotate_token("nope")
+
+
+def test_a_revoked_client_is_refused_at_once(store, token):
+    client_id, credential, _ = store.enroll("pop", token, 60.0)
+    other, other_credential, _ = store.enroll("pop", token, 60.0)
+    assert store.revoke_client(client_id) == "pop"
+    with pytest.raises(protocol.Unauthorized, match="unknown one"):
+        store.authenticate(credential)
+    assert store.authenticate(other_credential) == (other, "pop")
+    assert store.populations()[0]["clients"] == 1
+    with pytest.raises(protocol.NotFound, match="enrolled client"):
+        store.revoke_client(client_id)

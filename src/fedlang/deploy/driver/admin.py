@@ -23,9 +23,22 @@ class Admin:
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self.connection.json(method, protocol.API + path, token=self.token, **kwargs)
 
-    def create_population(self, name: str) -> str:
-        """Creates a population; returns its enrollment token."""
-        return self._json("POST", "/admin/populations", json={"name": name})["token"]
+    def create_population(self, name: str, max_enrollments: int | None = None) -> str:
+        """Creates a population; returns its enrollment token, which enrolls at most
+        `max_enrollments` clients (None: any number)."""
+        body = {"name": name, "max_enrollments": max_enrollments}
+        return self._json("POST", "/admin/populations", json=body)["token"]
+
+    def rotate_token(self, population: str, max_enrollments: int | None = None) -> str:
+        """A new enrollment token for `population` (the old one stops enrolling)."""
+        return self._json(
+            "POST", f"/admin/populations/{population}/token",
+            json={"max_enrollments": max_enrollments},
+        )["token"]
+
+    def revoke_client(self, client_id: str) -> str:
+        """Revokes a client's credential; returns its population."""
+        return self._json("DELETE", f"/admin/clients/{client_id}")["population"]
 
     def populations(self) -> list[dict[str, Any]]:
         return self._json("GET", "/admin/populations")

@@ -27,7 +27,8 @@ def create_population(
 ) -> schemas.PopulationOut:
     """Creates a population; the answer holds its enrollment token (shown only here)."""
     auth_lib.admin(server, auth)
-    return schemas.PopulationOut(name=body.name, token=server.store.create_population(body.name))
+    token = server.store.create_population(body.name, body.max_enrollments)
+    return schemas.PopulationOut(name=body.name, token=token)
 
 
 @router.get("/admin/populations", tags=["admin"])
@@ -46,6 +47,27 @@ def finish_population(
     server.store.finish_population(name)
     return next(schemas.PopulationInfo(**p) for p in server.store.populations()
                 if p["name"] == name)
+
+
+@router.post("/admin/populations/{name}/token", tags=["admin"])
+def rotate_token(
+    name: routing.Population, body: schemas.TokenIn, auth: auth_lib.Bearer, server: State
+) -> schemas.PopulationOut:
+    """A new enrollment token for the population (shown only here); the old one stops
+    enrolling at once, and clients it enrolled keep their credentials."""
+    auth_lib.admin(server, auth)
+    return schemas.PopulationOut(name=name, token=server.store.rotate_token(name, body.max_enrollments))
+
+
+@router.delete("/admin/clients/{client_id}", tags=["admin"])
+def revoke_client(
+    client_id: Annotated[str, fastapi.Path(pattern=schemas.NAME, description="A client's id.")],
+    auth: auth_lib.Bearer, server: State,
+) -> schemas.RevokedOut:
+    """Revokes a client: its credential is deleted, so its requests get 401 from now on.
+    A client holding its population's token can enroll again: rotate the token too."""
+    auth_lib.admin(server, auth)
+    return schemas.RevokedOut(client_id=client_id, population=server.store.revoke_client(client_id))
 
 
 @router.post("/admin/blobs", status_code=201, tags=["admin"], openapi_extra=routing.BINARY_BODY)

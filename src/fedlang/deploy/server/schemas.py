@@ -22,8 +22,24 @@ class ErrorOut(pydantic.BaseModel):
     reason: str = pydantic.Field(description="The kind of refusal, as counted in /v1/status.")
 
 
+MaxEnrollments = Annotated[int | None, pydantic.Field(
+    default=None, ge=1, le=10**9,
+    description="How many clients the enrollment token may enroll (null: any number).",
+)]
+
+
 class PopulationIn(pydantic.BaseModel):
     name: Annotated[str, pydantic.Field(pattern=NAME, description="1-64 of A-Z a-z 0-9 _ . -")]
+    max_enrollments: MaxEnrollments = None
+
+
+class TokenIn(pydantic.BaseModel):
+    max_enrollments: MaxEnrollments = None
+
+
+class RevokedOut(pydantic.BaseModel):
+    client_id: str
+    population: str
 
 
 class PopulationOut(pydantic.BaseModel):
@@ -36,6 +52,12 @@ class PopulationInfo(pydantic.BaseModel):
     clients: int = pydantic.Field(description="Clients enrolled so far.")
     finished: bool
     created: float
+    token_enrollments: int = pydantic.Field(
+        default=0, description="Clients the current enrollment token has enrolled."
+    )
+    max_enrollments: int | None = pydantic.Field(
+        default=None, description="How many it may enroll (null: any number)."
+    )
 
 
 class BlobOut(pydantic.BaseModel):

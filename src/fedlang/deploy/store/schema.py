@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from fedlang.deploy.store import sql
 
-VERSION = 2
+VERSION = 3
 
 TABLES = [
     # What every mode shares (store.py).
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value {blob} NOT NULL)",
+    # `token_enrollments`: clients enrolled with the current token; `max_enrollments`:
+    # how many it may enroll (NULL: no cap).
     "CREATE TABLE IF NOT EXISTS populations (name TEXT PRIMARY KEY, token_hash TEXT NOT NULL,"
-    " clients {int} NOT NULL DEFAULT 0, finished {int} NOT NULL DEFAULT 0, created {real} NOT NULL)",
+    " clients {int} NOT NULL DEFAULT 0, finished {int} NOT NULL DEFAULT 0, created {real} NOT NULL,"
+    " token_enrollments {int} NOT NULL DEFAULT 0, max_enrollments {int})",
     "CREATE TABLE IF NOT EXISTS clients (id TEXT PRIMARY KEY, population TEXT NOT NULL,"
     " credential_hash TEXT NOT NULL UNIQUE, created {real} NOT NULL, expires {real} NOT NULL,"
     " last_seen {real} NOT NULL)",
@@ -89,6 +92,11 @@ MIGRATIONS: dict[int, list[str]] = {
         "ALTER TABLE async_reports RENAME TO buffered_reports",
         "DROP INDEX IF EXISTS async_sessions_by_state",  # remade as buffered_sessions_by_state
     ],
+    # 2 -> 3: enrollment tokens count their enrollments and may be capped.
+    2: [
+        "ALTER TABLE populations ADD COLUMN token_enrollments {int} NOT NULL DEFAULT 0",
+        "ALTER TABLE populations ADD COLUMN max_enrollments {int}",
+    ],
 }
 
 
@@ -115,7 +123,7 @@ def install(tx: sql.Tx) -> int:
         )
     for version in range(found, VERSION):
         for statement in MIGRATIONS[version]:
-            tx.run(statement)
+            tx.run(statement.format(**types))
     if found != VERSION:
         tx.run("UPDATE meta SET value = ? WHERE key = 'schema'", (str(VERSION).encode(),))
     for statement in TABLES[1:]:

@@ -152,14 +152,15 @@ class Store:
 
     # -- populations and clients
 
-    def create_population(self, name: str) -> str:
-        """Creates a population; returns its enrollment token (stored only as a hash)."""
+    def create_population(self, name: str, max_enrollments: int | None = None) -> str:
+        """Creates a population; returns its enrollment token (stored only as a hash),
+        which enrolls at most `max_enrollments` clients (None: any number)."""
         token = secrets.token_urlsafe(24)
         with self.transaction(write=True) as tx:
             added = tx.run(
-                "INSERT INTO populations (name, token_hash, created) VALUES (?, ?, ?)"
-                " ON CONFLICT (name) DO NOTHING",
-                (name, secret_hash(token), self.clock()),
+                "INSERT INTO populations (name, token_hash, created, max_enrollments)"
+                " VALUES (?, ?, ?, ?) ON CONFLICT (name) DO NOTHING",
+                (name, secret_hash(token), self.clock(), max_enrollments),
             )
         if not added:
             raise protocol.Conflict(
@@ -170,10 +171,50 @@ class Store:
 
     def populations(self) -> list[dict[str, Any]]:
         with self.transaction() as tx:
-            rows = tx.all("SELECT name, clients, finished, created FROM populations ORDER BY name")
+            rows = tx.all(
+                "SELECT name, clients, finished, created, token_enrollments, max_enrollments"
+                " FROM populations ORDER BY name"
+            )
         return [
-            {"name": n, "clients": c, "finished": bool(f), "created": t} for n, c, f, t in rows
+            {"name": n, "clients": c, "finished": bool(f), "created": t,
+             "token_enrollments": e, "max_enrollments": m}
+            for n, c, f, t, e, m in rows
         ]
+
+    def rotate_token(self, name: str, max_enrollments: int | None = None) -> str:
+        """A new enrollment token for population `name` (the old one stops enrolling at
+        once; clients it enrolled keep their credentials), enrolling at most
+        `max_enrollments` clients (None: any number).
+
+        Raises:
+          NotFound: no such population.
+        """
+        token = secrets.token_urlsafe(24)
+        with self.transaction(write=True) as tx:
+            if not tx.run(
+                "UPDATE populations SET token_hash = ?, token_enrollments = 0,"
+                " max_enrollments = ? WHERE name = ?",
+                (secret_hash(token), max_enrollments, name),
+            ):
+                raise protocol.NotFound(f"Expected an existing population, found {name!r}.")
+        return token
+
+    def revoke_client(self, client_id: str) -> str:
+        """Deletes client `client_id` and its credential (its requests get 401 from now
+        on); returns its population. A client that still holds its population's token
+        can enroll again: rotate the token too (`rotate_token`).
+
+        Raises:
+          NotFound: no such client.
+        """
+        with self.transaction(write=True) as tx:
+            row = tx.one("SELECT population FROM clients WHERE id = ?", (client_id,))
+            if row is None:
+                raise protocol.NotFound(f"Expected an enrolled client's id, found {client_id!r}.")
+            tx.run("DELETE FROM clients WHERE id = ?", (client_id,))
+            tx.run("UPDATE populations SET clients = clients - 1 WHERE name = ?", (row[0],))
+            tx.count("revocations")
+        return str(row[0])
 
     def finish_population(self, name: str) -> None:
         """Marks a population finished: its clients are told to stop at their next check-in."""
@@ -182,30 +223,52 @@ class Store:
                 raise protocol.NotFound(f"Expected an existing population, found {name!r}.")
 
     def enroll(self, population: str, token: str, ttl: float) -> tuple[str, str, float]:
-        """A new client of `population`: (client id, credential, expiry time).
+        """A new client of `population`: (client id, credential, expiry time). A refusal
+        is counted (`refused:enrollment`, `refused:enrollment_cap`).
 
         Raises:
           Unauthorized: if the enrollment token is not the population's.
+          Forbidden: if the token has enrolled as many clients as it may.
         """
+        refusal: protocol.ProtocolError | None = None
         with self.transaction(write=True) as tx:
-            row = tx.one("SELECT token_hash FROM populations WHERE name = ?", (population,))
+            row = tx.one(
+                "SELECT token_hash, token_enrollments, max_enrollments FROM populations"
+                " WHERE name = ?" + tx.dialect.lock_row,
+                (population,),
+            )
             if row is None or not secrets.compare_digest(row[0], secret_hash(token)):
-                tx.count("refused:enrollment")
                 bad = "unknown population" if row is None else "wrong enrollment token"
-                raise protocol.Unauthorized(
+                refusal = protocol.Unauthorized(
                     f"Expected the enrollment token of population {population!r}, found a "
                     f"{bad}; ask the server's operator for the token."
                 )
-            client_id = "c-" + secrets.token_hex(8)
-            credential = secrets.token_urlsafe(32)
-            now = self.clock()
-            tx.run(
-                "INSERT INTO clients (id, population, credential_hash, created, expires, last_seen)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (client_id, population, secret_hash(credential), now, now + ttl, now),
-            )
-            tx.run("UPDATE populations SET clients = clients + 1 WHERE name = ?", (population,))
-            tx.count("enrollments")
+                tx.count("refused:enrollment")
+            elif row[2] is not None and row[1] >= row[2]:
+                refusal = protocol.Forbidden(
+                    f"Expected an enrollment token with enrollments left, found one of "
+                    f"population {population!r} that has enrolled its {row[2]} clients; ask "
+                    "the server's operator for a new token.",
+                    reason="enrollment_cap",
+                )
+                tx.count("refused:enrollment_cap")
+            else:
+                client_id = "c-" + secrets.token_hex(8)
+                credential = secrets.token_urlsafe(32)
+                now = self.clock()
+                tx.run(
+                    "INSERT INTO clients (id, population, credential_hash, created, expires,"
+                    " last_seen) VALUES (?, ?, ?, ?, ?, ?)",
+                    (client_id, population, secret_hash(credential), now, now + ttl, now),
+                )
+                tx.run(
+                    "UPDATE populations SET clients = clients + 1,"
+                    " token_enrollments = token_enrollments + 1 WHERE name = ?",
+                    (population,),
+                )
+                tx.count("enrollments")
+        if refusal is not None:  # raised once the count is committed
+            raise refusal
         return client_id, credential, now + ttl
 
     def authenticate(self, credential: str) -> tuple[str, str]:
