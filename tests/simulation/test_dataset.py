@@ -68,6 +68,14 @@ def test_filter_take_repeat():
     assert _ds(3).repeat(2).cardinality == 6 and _ds(3).take(0).cardinality == 0
 
 
+def test_skip_is_takes_complement():
+    ds = _ds()
+    assert _ys(ds.skip(7)) == [7, 8, 9] and _ys(ds.take(7)) + _ys(ds.skip(7)) == _ys(ds)
+    assert ds.skip(7).cardinality == 3 and ds.skip(20).cardinality == 0
+    assert _ys(ds.skip(-1)) == _ys(ds) and _ys(_ds(3).repeat().skip(2).take(3)) == [2, 0, 1]
+    assert ds.filter(lambda e: e["y"] > 0).skip(1).cardinality is None
+
+
 def test_repeat_forever_of_empty_dataset_ends():
     assert list(_ds(0).repeat()) == []
 

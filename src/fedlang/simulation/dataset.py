@@ -552,6 +552,19 @@ class Dataset:
         n = self._cardinality
         return self._derive(iter_fn, cardinality=None if n is None else min(n, max(count, 0)))
 
+    def skip(self, count: int) -> Dataset:
+        """All but the first `count` elements (tf.data's `skip`; `take`'s complement)."""
+
+        def iter_fn(path: _Path) -> Iterator[Any]:
+            it = self._iter_fn(path)
+            try:
+                yield from itertools.islice(it, max(count, 0), None)
+            finally:
+                _prefetch.close(it)
+
+        n = self._cardinality
+        return self._derive(iter_fn, cardinality=None if n is None else max(n - max(count, 0), 0))
+
     def prefetch(self, buffer_size: int = 2) -> Dataset:
         """Produces up to `buffer_size` elements ahead on a background thread.
 
