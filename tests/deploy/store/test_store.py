@@ -10,7 +10,7 @@ from fedlang.deploy.store import store as store_lib
 def test_enrollment_needs_the_population_token_and_credentials_expire(store, token, clock):
     with pytest.raises(protocol.Unauthorized, match="enrollment token of population 'pop'"):
         store.enroll("pop", "wrong", 60.0)
-    with pytest.raises(protocol.Unauthorized, match="unknown population"):
+    with pytest.raises(protocol.Unauthorized, match="no population named 'nope'"):
         store.enroll("nope", token, 60.0)
     client_id, credential, _ = store.enroll("pop", token, 60.0)
     assert store.authenticate(credential) == (client_id, "pop")

@@ -191,10 +191,17 @@ class Store:
             row = tx.one("SELECT token_hash FROM populations WHERE name = ?", (population,))
             if row is None or not secrets.compare_digest(row[0], secret_hash(token)):
                 tx.count("refused:enrollment")
-                bad = "unknown population" if row is None else "wrong enrollment token"
+                if row is None:  # the name is wrong, not the token: say so
+                    raise protocol.Unauthorized(
+                        f"Expected an existing population, found no population named "
+                        f"{population!r} on this server; check the name (`fedlang status "
+                        "URL` lists the populations) or create it (`fedlang serve "
+                        f"--population {population}`, or `Admin.create_population`)."
+                    )
                 raise protocol.Unauthorized(
                     f"Expected the enrollment token of population {population!r}, found a "
-                    f"{bad}; ask the server's operator for the token."
+                    "wrong one; ask the server's operator for the token (`fedlang serve` "
+                    "printed it when it made the population)."
                 )
             client_id = "c-" + secrets.token_hex(8)
             credential = secrets.token_urlsafe(32)
