@@ -64,43 +64,45 @@ def serve(
         for s in made:
             s.request_stop()
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, note)
-
-    from fedlang.deploy import protocol
-    from fedlang.deploy.server import serve as server_lib
-    from fedlang.deploy.store import store as store_lib
-
+    previous = {signum: signal.signal(signum, note) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server = server_lib.Server(
-            db, host, port, admin_token, key_file, pace=store_lib.Pace(min_retry=min_retry),
-            credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
-            browser=browser, demo_page=demo_page,
-        )
-    except (OSError, ValueError, ImportError, server_lib.DatabaseInUse) as e:
-        console.fail(e)
-    print(f"fedlang task store at {server.url} (database {db})", flush=True)
-    if demo_page:
-        print(f"demo page: {server.url}/demo/", flush=True)
-    print(f"admin token: {server.admin_token}", flush=True)
-    print(f"public key: {base64.b64encode(server.public_key).decode()}", flush=True)
-    for name in population or []:
+        from fedlang.deploy import protocol
+        from fedlang.deploy.server import serve as server_lib
+        from fedlang.deploy.store import store as store_lib
+
         try:
-            token = server.store.create_population(name)
-            print(f"population {name} token: {token}", flush=True)
-            if demo_page:
-                print(f"  train in a browser: {server.url}/demo/#population={name}&token={token}",
-                      flush=True)
-        except protocol.Conflict:
-            print(f"population {name} exists (its token was printed when it was made)", flush=True)
-    made.append(server)
-    if stopped:  # before `made` had it
-        server.request_stop()
-    server.serve()  # returns at once if asked to stop
-    if stopped:
-        _stopped(stopped[0], f"the server stopped; every report it acknowledged is kept in "
-                             f"{_database(db)} (the same command serves it again); clients "
-                             "retry until it is back, for their --patience")
+            server = server_lib.Server(
+                db, host, port, admin_token, key_file, pace=store_lib.Pace(min_retry=min_retry),
+                credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
+                browser=browser, demo_page=demo_page,
+            )
+        except (OSError, ValueError, ImportError, server_lib.DatabaseInUse) as e:
+            console.fail(e)
+        print(f"fedlang task store at {server.url} (database {db})", flush=True)
+        if demo_page:
+            print(f"demo page: {server.url}/demo/", flush=True)
+        print(f"admin token: {server.admin_token}", flush=True)
+        print(f"public key: {base64.b64encode(server.public_key).decode()}", flush=True)
+        for name in population or []:
+            try:
+                token = server.store.create_population(name)
+                print(f"population {name} token: {token}", flush=True)
+                if demo_page:
+                    print(f"  train in a browser: {server.url}/demo/#population={name}&token={token}",
+                          flush=True)
+            except protocol.Conflict:
+                print(f"population {name} exists (its token was printed when it was made)", flush=True)
+        made.append(server)
+        if stopped:  # before `made` had it
+            server.request_stop()
+        server.serve()  # returns at once if asked to stop
+        if stopped:
+            _stopped(stopped[0], f"the server stopped; every report it acknowledged is kept in "
+                                 f"{_database(db)} (the same command serves it again); clients "
+                                 "retry until it is back, for their --patience")
+    finally:  # as they were (a command run in-process, e.g. by a test, leaves no trace)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _stopped(signum: int, what: str) -> NoReturn:
