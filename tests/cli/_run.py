@@ -23,22 +23,23 @@ def invoke(*args):
     return _runner.invoke(cli.app, [str(a) for a in args])
 
 
-def fedlang(*args, cwd=None, path_first=None):
+def fedlang(*args, cwd=None, path_first=None, timeout=300):
     """Runs the real `fedlang` command; returns (exit status, stdout, stderr).
 
-    `path_first`: a directory put before everything on the module path.
+    `path_first`: a directory put before everything on the module path. `timeout`:
+    seconds before it is killed (and `subprocess.TimeoutExpired` raised).
     """
     env = ENV if path_first is None else {
         **ENV, "PYTHONPATH": f"{path_first}{os.pathsep}{ENV['PYTHONPATH']}"}
     out = subprocess.run([sys.executable, "-m", "fedlang", *map(str, args)], capture_output=True,
-                         text=True, timeout=300, env=env, cwd=cwd)
+                         text=True, timeout=timeout, env=env, cwd=cwd)
     return out.returncode, out.stdout, out.stderr
 
 
-def fedlang_all(*commands, cwd=None):
+def fedlang_all(*commands, cwd=None, timeout=300):
     """Several commands at once (each is a fresh process: most of its time is imports)."""
     with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
-        return list(pool.map(lambda c: fedlang(*c, cwd=cwd), commands))
+        return list(pool.map(lambda c: fedlang(*c, cwd=cwd, timeout=timeout), commands))
 
 
 def one_sentence_error(result, code, *fragments):

@@ -15,3 +15,17 @@ def test_the_innermost_display_shows_from_any_thread_until_it_closes():
         assert status.say("picked")
     assert inner == ["measuring"] and outer == ["picked"]
     assert status.say("nobody shows this") is False
+
+
+def test_sigterm_and_the_first_ctrl_c_ask_to_stop_and_wake_a_waiting_loop():
+    import os
+    import signal
+
+    woken = threading.Event()
+    with status.defer_interrupts("stopping", on_request=woken.set, sigterm=True) as interrupts:
+        assert signal.getsignal(signal.SIGTERM) == interrupts._handle
+        os.kill(os.getpid(), signal.SIGTERM)  # handled before kill returns (main thread)
+        assert interrupts.requested() and interrupts.signum == signal.SIGTERM
+        assert woken.wait(10)  # on_request ran (on its own thread)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -10,7 +10,6 @@ test cannot run are marked on the page with `<!-- not run: why -->` and listed i
 """
 
 import dataclasses
-import pathlib
 import secrets
 import threading
 import time
@@ -92,11 +91,14 @@ def test_the_deploy_pages_python_blocks_run_against_a_real_server(tmp_path, monk
 
         def client(population, path):
             # As `fedlang client --data train=PATH` in step 3: it starts once step 2 wrote PATH.
-            while not pathlib.Path(path).exists():
-                if stop.wait(0.05):
-                    return
-            c = deploy.Client(server.url, population, tokens[population], {"train": path},
-                              batch_size=20, patience=60)
+            while True:  # the client checks its file at start: wait until it is whole
+                try:
+                    c = deploy.Client(server.url, population, tokens[population],
+                                      {"train": path}, batch_size=20, patience=60)
+                    break
+                except (FileNotFoundError, ValueError):  # not yet written, or half
+                    if stop.wait(0.05):
+                        return
             clients.append(c)
             with c:
                 if not stop.is_set():

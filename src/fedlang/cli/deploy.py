@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import pathlib
 import signal
-from typing import Annotated, Any
+import urllib.parse
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich import box
@@ -47,40 +49,92 @@ def serve(
         help="Serve a demo page at /demo/ that trains in the browser (implies --browser).")]
     = False,
 ) -> None:
-    """Serve a task store: clients check in for tasks; the driver opens rounds."""
-    from fedlang.deploy import protocol
-    from fedlang.deploy.server import serve as server_lib
-    from fedlang.deploy.store import store as store_lib
+    """Serve a task store: clients check in for tasks; the driver opens rounds.
 
+    Ctrl-C or SIGTERM stops it (exit status 130 or 143) once the requests in progress
+    end; it says where the acknowledged reports are kept. It refuses a port in use and
+    an SQLite database another server holds.
+    """
+    # Ctrl-C and SIGTERM are noted from the start (imports take seconds) and stop the
+    # server; while it serves uvicorn takes them, and raises them again once it stops
+    stopped: list[int] = []
+    made: list[Any] = []
+
+    def note(signum: int, frame: Any) -> None:
+        stopped.append(signum)
+        for s in made:
+            s.request_stop()
+
+    previous = {signum: signal.signal(signum, note) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server = server_lib.Server(
-            db, host, port, admin_token, key_file, pace=store_lib.Pace(min_retry=min_retry),
-            credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
-            browser=browser, demo_page=demo_page,
-        )
-    except (OSError, ValueError, ImportError) as e:
-        console.fail(e)
-    print(f"fedlang task store at {server.url} (database {db})", flush=True)
-    if demo_page:
-        print(f"demo page: {server.url}/demo/", flush=True)
-    print(f"admin token: {server.admin_token}", flush=True)
-    print(f"public key: {base64.b64encode(server.public_key).decode()}", flush=True)
-    for name in population or []:
+        from fedlang.deploy import protocol
+        from fedlang.deploy.server import serve as server_lib
+        from fedlang.deploy.store import store as store_lib
+
         try:
-            token = server.store.create_population(name)
-            print(f"population {name} token: {token}", flush=True)
-            if demo_page:
-                print(f"  train in a browser: {server.url}/demo/#population={name}&token={token}",
-                      flush=True)
-        except protocol.Conflict:
-            print(f"population {name} exists (its token was printed when it was made)", flush=True)
-    # SIGTERM stops the server like Ctrl-C (uvicorn handles both in the main thread).
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    server.serve()
+            server = server_lib.Server(
+                db, host, port, admin_token, key_file, pace=store_lib.Pace(min_retry=min_retry),
+                credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
+                browser=browser, demo_page=demo_page,
+            )
+        except (OSError, ValueError, ImportError, server_lib.DatabaseInUse) as e:
+            console.fail(e)
+        print(f"fedlang task store at {server.url} (database {db})", flush=True)
+        if demo_page:
+            print(f"demo page: {server.url}/demo/", flush=True)
+        print(f"admin token: {server.admin_token}", flush=True)
+        print(f"public key: {base64.b64encode(server.public_key).decode()}", flush=True)
+        for name in population or []:
+            try:
+                token = server.store.create_population(name)
+                print(f"population {name} token: {token}", flush=True)
+                if demo_page:
+                    print(f"  train in a browser: {server.url}/demo/#population={name}&token={token}",
+                          flush=True)
+            except protocol.Conflict:
+                print(f"population {name} exists (its token was printed when it was made)", flush=True)
+        made.append(server)
+        if stopped:  # before `made` had it
+            server.request_stop()
+        server.serve()  # returns at once if asked to stop
+        if stopped:
+            _stopped(stopped[0], f"the server stopped; every report it acknowledged is kept in "
+                                 f"{_database(db)} (the same command serves it again); clients "
+                                 "retry until it is back, for their --patience")
+    finally:  # as they were (a command run in-process, e.g. by a test, leaves no trace)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _stopped(signum: int, what: str) -> NoReturn:
+    """Ends a command stopped by a signal: status 128 + the signal's number, as shells
+    report it (130 for Ctrl-C, 143 for SIGTERM), and one line saying what was kept."""
+    label = "Interrupted" if signum == signal.SIGINT else "Terminated"
+    console.fail(f"{what}.", 128 + signum, label=label)
+
+
+def _database(db: str) -> str:
+    """The database a `--db` names, as said to a user: an SQLite file, or a PostgreSQL
+    URL without its password."""
+    if db.startswith(("postgresql://", "postgres://")):
+        parts = urllib.parse.urlsplit(db)
+        if parts.password is not None:
+            netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+            db = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+        return f"the PostgreSQL database {db}"
+    return f"the SQLite database {pathlib.Path(db.removeprefix('sqlite:///')).resolve()}"
 
 
 def _data_value(path: str, batch_size: int) -> Any:
+    """A `--data` path as the client's dataset; checked now, before the client enrolls."""
+    from fedlang.deploy.client import client as client_lib
+
     p = pathlib.Path(path)
+    if not p.exists():
+        raise FileNotFoundError(
+            f"Expected client data at {p} (an .npz file of arrays or a store directory of one "
+            f"client), found nothing there (in {pathlib.Path.cwd()}); check the path."
+        )
     if p.is_dir():  # a store of one client
         from fedlang.simulation import store
 
@@ -92,7 +146,13 @@ def _data_value(path: str, batch_size: int) -> Any:
                 "client's data to its own store (or .npz file)."
             )
         return opened.read_client(ids[0]).batch(batch_size)
-    return str(p)
+    if p.suffix != ".npz":
+        raise ValueError(
+            f"Expected client data as an .npz file of arrays (e.g. x and y) or a store "
+            f"directory of one client, found {p}; convert it with numpy.savez (arrays) or "
+            "`fedlang data convert` (a store)."
+        )
+    return client_lib.NpzDataset(p, batch_size)  # checks the file's arrays
 
 
 def client(
@@ -111,7 +171,12 @@ def client(
     = 300.0,
     verbose: Annotated[bool, typer.Option(help="Log each step.")] = True,
 ) -> None:
-    """Run a client: check in, run tasks on local data, upload reports (connects out only)."""
+    """Run a client: check in, run tasks on local data, upload reports (connects out only).
+
+    Every --data path is checked before the client enrolls. Ctrl-C or SIGTERM stops it
+    after the task in progress (a second one: at once), with exit status 130 or 143.
+    """
+    from fedlang.core import status as status_lib
     from fedlang.deploy import protocol
     from fedlang.deploy.client import client as client_lib
     from fedlang.deploy.client import connection as http
@@ -119,20 +184,41 @@ def client(
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per task is enough
-    try:
-        named = {}
-        for item in data:
-            name, sep, path = item.partition("=")
+    named = {}
+    for item in data:  # all of them, before anything connects
+        name, sep, path = item.partition("=")
+        try:
             if not sep or not name.isidentifier() or not path:
                 raise ValueError(f"Expected --data NAME=PATH (e.g. train=client.npz), found {item!r}.")
             named[name] = _data_value(path, batch_size)
+        except (OSError, ValueError) as e:  # a store's StoreError is a ValueError
+            console.fail(e, 1, "" if not sep else f"(--data {item})")
+    kept = (f"its credential is kept in {credential_file} (the same command rejoins as the "
+            "same client)" if credential_file is not None else
+            "it kept nothing (run again, it enrolls as a new client; --credential-file F "
+            "keeps its credential)")
+
+    def stop_now() -> None:
+        """A second Ctrl-C: exit at once (raising inside JAX can crash or hang)."""
+        signum = interrupts.signum or signal.SIGINT
+        label = "Interrupted" if signum == signal.SIGINT else "Terminated"
+        os.write(2, f"\n{label}: the client stopped at once (the server counts its task in "
+                    f"progress as a dropout); {kept}.\n".encode())
+        os._exit(128 + signum)
+
+    try:
         with client_lib.Client(
             server, population, token, named, batch_size=batch_size,
             credential_file=credential_file, max_tasks=max_tasks, patience=patience,
-        ) as c:
+        ) as c, status_lib.defer_interrupts(
+            "stopping after the task in progress (Ctrl-C again to stop now)", stop_now,
+            on_request=c.stop, sigterm=True,
+        ) as interrupts:
             done = c.run()
     except (protocol.ProtocolError, http.ServerUnavailable, OSError, ValueError, KeyError) as e:
         console.fail(e)
+    if interrupts.requested() and interrupts.signum is not None:
+        _stopped(interrupts.signum, f"the client stopped after {done} tasks; {kept}")
     console.out.print(f"{done} tasks done.")
 
 

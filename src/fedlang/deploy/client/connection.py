@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -25,12 +26,34 @@ class ServerError(RuntimeError):
     """The server failed on a request (HTTP 5xx): a bug or a broken database."""
 
 
+def check_url(url: str) -> str:
+    """`url` without a trailing slash, if it is an http(s) URL with a host.
+
+    Raises:
+      ValueError: otherwise (a typo such as `htp://`, or no scheme), at once: no retry
+        makes such a URL reachable.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme in ("http", "https") and parts.hostname:
+        return url.rstrip("/")
+    rest = url.split("://", 1)[-1].lstrip("/")
+    hint = f"http://{rest}" if rest and urllib.parse.urlsplit(f"http://{rest}").hostname else (
+        "http://127.0.0.1:8000")
+    raise ValueError(
+        f"Expected the server's URL as http://HOST:PORT or https://HOST:PORT, found {url!r}; "
+        f"did you mean {hint}?"
+    )
+
+
 class Connection:
     """HTTP to a task store server, retrying while it is unreachable.
 
     Args:
-      url: the server, e.g. `http://127.0.0.1:8000`.
-      patience: seconds to keep retrying an unreachable server before giving up.
+      url: the server, e.g. `http://127.0.0.1:8000` (a malformed URL raises ValueError
+        at once).
+      patience: seconds to keep retrying an unreachable server before giving up,
+        counted from the first failure; waits between retries end at that deadline, and
+        a connection attempt gives up after at most `max(patience, 1)` seconds.
       timeout: seconds for one request (long polls add their wait).
       verify: TLS verification (True, False, or a CA bundle path).
       backoff: (first, largest) wait between retries; each wait is drawn uniformly up to
@@ -47,12 +70,16 @@ class Connection:
         verify: Any = True,
         backoff: tuple[float, float] = (0.2, 10.0),
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ):
-        self.url = url.rstrip("/")
+        self.url = check_url(url)
         self.patience = patience
         self.backoff = backoff
         self.sleep = sleep
-        self.http = httpx.Client(base_url=self.url, timeout=timeout, verify=verify)
+        self.clock = clock
+        # an unreachable host that drops packets: no attempt outlasts the patience
+        limits = httpx.Timeout(timeout, connect=min(timeout, max(patience, 1.0)))
+        self.http = httpx.Client(base_url=self.url, timeout=limits, verify=verify)
         self._rng = random.Random()
 
     def request(
@@ -87,16 +114,18 @@ class Connection:
                 if resp.status_code not in _RETRY_STATUS:
                     raise _error(resp)
                 problem = f"HTTP {resp.status_code}"
-            now = time.monotonic()
+            now = self.clock()
             first_failure = now if first_failure is None else first_failure
-            if not retry or now - first_failure > self.patience:
+            left = first_failure + self.patience - now
+            if not retry or left <= 0:
                 raise ServerUnavailable(
                     f"Expected the server at {self.url} to answer {method} {path}, found "
-                    f"{problem} for {now - first_failure:.0f} s; check that it runs and that "
-                    "the URL is right."
+                    f"{problem} for {now - first_failure:.0f} s (patience {self.patience:g} "
+                    "s); check that it runs and that the URL is right."
                 )
             first, largest = self.backoff
-            self.sleep(self._rng.uniform(0, min(largest, first * 2**attempt)))
+            # the last wait ends at the deadline, so `patience` is the seconds it retries
+            self.sleep(min(left, self._rng.uniform(0, min(largest, first * 2**attempt))))
             attempt += 1
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any:

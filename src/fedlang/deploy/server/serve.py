@@ -13,6 +13,8 @@ to open rounds and sessions and read their results. The application itself is
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import pathlib
 import secrets
@@ -27,7 +29,51 @@ import uvicorn
 from fedlang.core import signing
 from fedlang.deploy.server import app as app_lib
 from fedlang.deploy.server import state as state_lib
+from fedlang.deploy.store import sql
 from fedlang.deploy.store import store as store_lib
+
+
+class DatabaseInUse(RuntimeError):
+    """Another server holds this SQLite task store (its lock file is locked)."""
+
+
+def hold_database(db: str | os.PathLike[str]) -> Any:
+    """Locks an SQLite task store for one server: an exclusive `flock` on `DB.lock` next
+    to the database file, held until the returned file is closed (None for PostgreSQL,
+    which several servers share, and for `:memory:`).
+
+    Two servers on one SQLite file would both fold reports and close rounds: refused.
+    The kernel releases the lock when the process ends, even on kill -9, so a restarted
+    server never finds a stale lock; the lock file itself stays (it holds the pid of the
+    server that last held it).
+
+    Raises:
+      DatabaseInUse: another process holds the lock.
+    """
+    dialect = sql.dialect(db)
+    if not isinstance(dialect, sql.SQLite) or dialect.path == ":memory:":
+        return None
+    path = pathlib.Path(dialect.path).resolve()
+    lock = path.with_name(path.name + ".lock")
+    f = open(lock, "a+")  # noqa: SIM115 (held open for the server's life)
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise DatabaseInUse(
+            f"Expected no other server on the task store {path}, found one holding it "
+            f"({f'pid {holder}, ' if holder.isdigit() else ''}lock file {lock}); stop that "
+            "server first, or give this one its own database (--db)."
+        ) from None
+    except BaseException:
+        f.close()
+        raise
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 def load_key(key: Any, store: store_lib.Store) -> Any:
@@ -51,7 +97,18 @@ def _free_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno != errno.EADDRINUSE:
+            raise
+        in_use = OSError(
+            f"Expected port {port} on {host} to be free, found it in use (by another "
+            "server?); pick another port (--port N), or --port 0 for any free one."
+        )
+        in_use.errno = e.errno  # still an EADDRINUSE to code that checks
+        raise in_use from e
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -105,33 +162,43 @@ class Server:
         demo_page: bool = False,
         access_log: bool = False,
     ):
-        self.store = store_lib.Store(db, clock=clock, pace=pace)
-        if admin_token is None:
-            admin_token = self.store.setdefault_meta(
-                "admin_token", secrets.token_urlsafe(24).encode()
-            ).decode()
-        self.admin_token = admin_token
-        self.app_state = state_lib.ServerState(
-            self.store, load_key(key, self.store), admin_token, credential_ttl, max_blob_bytes
-        )
-        self.public_key = self.app_state.public_key
-        self.app = app_lib.create_app(self.app_state, tick)
-        if browser or demo_page:
-            from fedlang.deploy.browser import routes
+        self._held = hold_database(db)  # first: before anything reads the database
+        try:
+            self.store = store_lib.Store(db, clock=clock, pace=pace)
+        except BaseException:
+            self._release()
+            raise
+        try:  # what fails below (a port in use, a missing asset) leaves nothing held
+            if admin_token is None:
+                admin_token = self.store.setdefault_meta(
+                    "admin_token", secrets.token_urlsafe(24).encode()
+                ).decode()
+            self.admin_token = admin_token
+            self.app_state = state_lib.ServerState(
+                self.store, load_key(key, self.store), admin_token, credential_ttl, max_blob_bytes
+            )
+            self.public_key = self.app_state.public_key
+            self.app = app_lib.create_app(self.app_state, tick)
+            if browser or demo_page:
+                from fedlang.deploy.browser import routes
 
-            routes.mount(self.app, demo=demo_page)
-        self.host = host
-        self._sock = _free_socket(host, port)
-        self.port = self._sock.getsockname()[1]
-        scheme = "https" if ssl_certfile else "http"
-        shown = f"[{host}]" if ":" in host else host
-        self.url = f"{scheme}://{shown}:{self.port}"
-        self._config = uvicorn.Config(
-            self.app, log_level=log_level, access_log=access_log, ssl_keyfile=ssl_keyfile,
-            ssl_certfile=ssl_certfile, timeout_graceful_shutdown=5,
-        )
-        self._uvicorn = uvicorn.Server(self._config)
-        self._thread: threading.Thread | None = None
+                routes.mount(self.app, demo=demo_page)
+            self._config = uvicorn.Config(
+                self.app, log_level=log_level, access_log=access_log, ssl_keyfile=ssl_keyfile,
+                ssl_certfile=ssl_certfile, timeout_graceful_shutdown=5,
+            )
+            self._uvicorn = uvicorn.Server(self._config)
+            self._thread: threading.Thread | None = None
+            self.host = host
+            self._sock = _free_socket(host, port)  # last: nothing after it fails
+            self.port = self._sock.getsockname()[1]
+            scheme = "https" if ssl_certfile else "http"
+            shown = f"[{host}]" if ":" in host else host
+            self.url = f"{scheme}://{shown}:{self.port}"
+        except BaseException:
+            self.store.close()
+            self._release()
+            raise
 
     def serve(self) -> None:
         """Serves until interrupted (Ctrl-C or SIGTERM)."""
@@ -139,6 +206,11 @@ class Server:
             self._uvicorn.run(sockets=[self._sock])
         finally:
             self.close()
+
+    def request_stop(self) -> None:
+        """Asks `serve()` to stop once the requests in progress end; safe in a signal
+        handler, and before `serve()` starts (it then returns at once)."""
+        self._uvicorn.should_exit = True
 
     def start(self, timeout: float = 30.0) -> Server:
         """Serves on a background thread; returns once the server accepts requests."""
@@ -164,9 +236,16 @@ class Server:
         self.close()
 
     def close(self) -> None:
+        """Closes the socket and the database, and releases the database's lock."""
         with contextlib.suppress(OSError):
             self._sock.close()
         self.store.close()
+        self._release()
+
+    def _release(self) -> None:
+        if self._held is not None:
+            self._held.close()  # the kernel drops the flock with the file
+            self._held = None
 
     def __enter__(self) -> Server:
         return self.start()

@@ -238,11 +238,19 @@ class Store:
                 (population,),
             )
             if row is None or not secrets.compare_digest(row[0], secret_hash(token)):
-                bad = "unknown population" if row is None else "wrong enrollment token"
-                refusal = protocol.Unauthorized(
-                    f"Expected the enrollment token of population {population!r}, found a "
-                    f"{bad}; ask the server's operator for the token."
-                )
+                if row is None:  # the name is wrong, not the token: say so
+                    refusal = protocol.Unauthorized(
+                        f"Expected an existing population, found no population named "
+                        f"{population!r} on this server; check the name (`fedlang status "
+                        "URL` lists the populations) or create it (`fedlang serve "
+                        f"--population {population}`, or `Admin.create_population`)."
+                    )
+                else:
+                    refusal = protocol.Unauthorized(
+                        f"Expected the enrollment token of population {population!r}, found "
+                        "a wrong one; ask the server's operator for the token (`fedlang "
+                        "serve` printed it when it made the population)."
+                    )
                 tx.count("refused:enrollment")
             elif row[2] is not None and row[1] >= row[2]:
                 refusal = protocol.Forbidden(

@@ -1,0 +1,174 @@
+"""`fedlang serve`, `fedlang client` and `fedlang status URL` (src/fedlang/cli/deploy.py),
+through the real command: how they start, refuse and stop."""
+
+import concurrent.futures
+import signal
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from fedlang import deploy
+
+from ._run import fedlang, fedlang_all, one_sentence_error, start_fedlang
+
+
+@pytest.fixture
+def server(tmp_path):
+    """An in-process server on 127.0.0.1 with population `pop` (stopped at the end)."""
+    with deploy.Server(db=tmp_path / "server.db", port=0) as s:
+        with deploy.Admin(s.url, s.admin_token) as admin:
+            s.token = admin.create_population("pop")
+        yield s
+
+
+def _enrollments(server):
+    with deploy.Admin(server.url, server.admin_token) as admin:
+        return admin.status()["enrollments"]
+
+
+def _wait_for(text, path, process, timeout=120):
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert process.poll() is None, f"it ended before saying {text!r}: {path.read_text()}"
+        assert time.monotonic() < deadline, f"no {text!r} in {timeout} s"
+        time.sleep(0.05)
+
+
+def _stopped_by(signum, d, args, ready, stream="stdout.txt"):
+    """Starts `fedlang *args` in `d`, waits until it says `ready`, sends `signum`."""
+    d.mkdir()
+    process, finish = start_fedlang(*args, cwd=d)
+    _wait_for(ready, d / stream, process)
+    process.send_signal(signum)
+    return finish(timeout=60)
+
+
+def test_serve_stops_on_sigint_and_sigterm_saying_what_it_kept(tmp_path):
+    # it stopped with no word and status 0; now 130 (Ctrl-C) and 143 (SIGTERM), as shells
+    # report a process a signal stopped, and it says where acknowledged reports are
+    signals = [signal.SIGINT, signal.SIGTERM]
+    dirs = [tmp_path / s.name for s in signals]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(
+            lambda s, d: _stopped_by(s, d, ["serve", "--db", d / "fl" / "store.db", "--port", "0",
+                                            "--population", "pop"], "population pop token"),
+            signals, dirs))
+    for signum, d, (status, _, err) in zip(signals, dirs, results, strict=True):
+        assert status == 128 + signum, (signum, status, err)
+        text = " ".join(err.split())
+        label = "Interrupted" if signum == signal.SIGINT else "Terminated"
+        assert text == (f"{label}: the server stopped; every report it acknowledged is kept in the "
+                        f"SQLite database {d / 'fl' / 'store.db'} (the same command serves it "
+                        "again); clients retry until it is back, for their --patience."), text
+    # the same command serves the database again: the lock went with the process
+    again = _stopped_by(signal.SIGINT, tmp_path / "again",
+                        ["serve", "--db", dirs[0] / "fl" / "store.db", "--port", "0"],
+                        "admin token")
+    assert again[0] == 130, again[2]
+
+
+def test_a_client_stops_on_sigint_and_sigterm_saying_what_it_kept(tmp_path, server):
+    np.savez(tmp_path / "data.npz", x=np.zeros((4, 3), np.float32))
+    signals = [signal.SIGINT, signal.SIGTERM]
+    dirs = [tmp_path / s.name for s in signals]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(
+            lambda s, d: _stopped_by(
+                s, d, ["client", "--server", server.url, "--population", "pop", "--token",
+                       server.token, "--data", f"train={tmp_path / 'data.npz'}",
+                       *(["--credential-file", d / "cred.json"] if s == signal.SIGINT else [])],
+                "enrolled as", stream="stderr.txt"),
+            signals, dirs))
+    for signum, d, (status, _, err) in zip(signals, dirs, results, strict=True):
+        assert status == 128 + signum, (signum, status, err)
+        assert "Traceback" not in err, err
+        said = " ".join(err.split())
+        if signum == signal.SIGINT:  # waiting for a task: it stops at once
+            assert said.endswith(
+                "Interrupted: the client stopped after 0 tasks; its credential is kept in "
+                f"{d / 'cred.json'} (the same command rejoins as the same client)."), said
+            assert (d / "cred.json").exists()
+        else:
+            assert said.endswith(
+                "Terminated: the client stopped after 0 tasks; it kept nothing (run again, it "
+                "enrolls as a new client; --credential-file F keeps its credential)."), said
+
+
+def test_a_client_checks_every_data_path_before_it_enrolls(tmp_path, server):
+    # a missing file was found only when a task came: the client enrolled and waited
+    # forever; now each --data is checked first, and the message names it and the fix
+    good = tmp_path / "good.npz"
+    np.savez(good, x=np.zeros((4, 3), np.float32))
+    (tmp_path / "text.npz").write_text("x,y\n1,2\n")
+    np.savez(tmp_path / "ragged.npz", x=np.zeros((4, 3), np.float32), y=np.zeros(3, np.int32))
+    (tmp_path / "rows.csv").write_text("x,y\n1,2\n")
+    cases = {
+        tmp_path / "missing.npz": ["found nothing there", "check the path"],
+        tmp_path / "text.npz": ["to be an .npz file of numeric arrays", "numpy.savez"],
+        tmp_path / "ragged.npz": ["as many rows each", "'x': '4 rows', 'y': '3 rows'"],
+        tmp_path / "rows.csv": ["an .npz file of arrays", "fedlang data convert"],
+        tmp_path / "nowhere": ["found nothing there"],
+    }
+    base = ["client", "--server", server.url, "--population", "pop", "--token", server.token]
+    results = fedlang_all(*([*base, "--data", f"train={good}", "--data", f"test={bad}"]
+                            for bad in cases), timeout=60)
+    for (bad, fragments), result in zip(cases.items(), results, strict=True):
+        one_sentence_error(result, 1, str(bad), f"(--data test={bad})", *fragments)
+    assert _enrollments(server) == 0
+
+
+def test_an_unknown_population_is_named_as_such_not_blamed_on_the_token(tmp_path, server):
+    np.savez(tmp_path / "data.npz", x=np.zeros((4, 3), np.float32))
+    result = fedlang("client", "--server", server.url, "--population", "digitz", "--token",
+                     server.token, "--data", f"train={tmp_path / 'data.npz'}", timeout=60)
+    one_sentence_error(result, 1, "found no population named 'digitz' on this server",
+                       "`fedlang status URL` lists the populations",
+                       "`fedlang serve --population digitz`")
+    assert "token" not in result[2] and "a unknown" not in result[2]
+
+
+def test_serve_names_a_port_in_use_and_refuses_a_database_another_server_holds(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        in_use = fedlang("serve", "--db", tmp_path / "other.db", "--port", port, timeout=60)
+    one_sentence_error(in_use, 1, f"Expected port {port} on 127.0.0.1 to be free",
+                       "--port N", "--port 0")
+    # a server holds the database; a second one is refused; after kill -9 it starts
+    db = tmp_path / "store.db"
+    first, finish = start_fedlang("serve", "--db", db, "--port", "0", cwd=tmp_path)
+    try:
+        _wait_for("admin token", tmp_path / "stdout.txt", first)
+        second = fedlang("serve", "--db", db, "--port", "0", timeout=60)
+        one_sentence_error(second, 1, f"Expected no other server on the task store {db}",
+                           f"pid {first.pid}", f"lock file {db}.lock", "--db")
+        first.kill()  # kill -9: no clean-up ran; the kernel dropped the lock
+    finally:
+        status, _, _ = finish(timeout=60)
+    assert status == -signal.SIGKILL
+    with deploy.Server(db=db, port=0):
+        pass
+
+
+def test_a_malformed_url_fails_at_once_and_patience_is_seconds(tmp_path):
+    # these were retried (13 s) before failing as unreachable
+    bad = ["not-a-url", "htp://127.0.0.1:8000", "127.0.0.1:8000"]
+    with socket.socket() as closed:  # bound, not listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        results = fedlang_all(*(["status", url] for url in bad),
+                              ["status", f"http://127.0.0.1:{port}", "--patience", "1"], timeout=60)
+    for url, result in zip(bad, results[:-1], strict=True):
+        one_sentence_error(result, 1, "Expected the server's URL as http://HOST:PORT", repr(url),
+                           "did you mean http://")
+    one_sentence_error(results[-1], 1, f"Expected the server at http://127.0.0.1:{port}",
+                       "for 1 s (patience 1 s)")
+
+
+def test_status_refuses_a_malformed_url_without_retrying_for_its_patience():
+    # with --patience 600 it retried for ten minutes; it is refused before the first try
+    status, _, err = fedlang("status", "htp://127.0.0.1:8000", "--patience", "600", timeout=60)
+    assert status == 1 and err.startswith("Error: Expected the server's URL"), err
