@@ -211,11 +211,12 @@ def _train(process: Any, data_fn: Callable[[str, int], Iterable[Any]],
            cohorts: Callable[[int], list[str]], rounds: int, *, store: Any = None,
            accuracy: Callable[[Any], float] | None = None,
            target: float | None = None) -> dict[str, Any]:
-    """Runs `rounds` rounds (stopping at `target`); returns the state, accuracies, times."""
+    """Runs `rounds` rounds, stopping at `target` or when the weights stop being finite;
+    returns the state, accuracies, times and the rounds it took."""
     state = process.initialize()
     accs: list[float] = []
     times: list[float] = []
-    reached = None
+    reached = diverged = None
     for r in range(rounds):
         cohort = cohorts(r)
         data = [data_fn(c, r) for c in cohort]
@@ -226,11 +227,36 @@ def _train(process: Any, data_fn: Callable[[str, int], Iterable[Any]],
             state, _, _ = process.next(state, data, store.cohort(cohort))
         times.append(time.perf_counter() - start)
         if accuracy is not None:
-            accs.append(accuracy(process.get_model_weights(state)))
+            weights = process.get_model_weights(state)
+            if not _finite(weights):
+                diverged = r + 1
+                accs.append(0.0)
+                break
+            accs.append(accuracy(weights))
             if target is not None and accs[-1] >= target:
                 reached = r + 1
                 break
-    return {"state": state, "accuracy": accs, "reached": reached, "seconds": times}
+    return {"state": state, "accuracy": accs, "reached": reached, "diverged": diverged,
+            "seconds": times}
+
+
+def _finite(weights: Any) -> bool:
+    return all(bool(np.all(np.isfinite(v))) for v in jax.tree.leaves(weights.trainable))
+
+
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _elapsed(start: tuple[float, float]) -> dict[str, float]:
+    """Wall seconds, and CPU seconds of every thread of this process (steadier on a
+    shared machine)."""
+    return {"seconds": time.perf_counter() - start[0],
+            "cpu_seconds": time.process_time() - start[1]}
+
+
+def _took(r: dict[str, Any]) -> str:
+    return f"{r['seconds']:.1f} ({r['cpu_seconds']:.1f})"
 
 
 def _median_after_first(times: list[float]) -> float:
@@ -259,7 +285,7 @@ def rounds_to_target(cfg: Config, data: Digits, workload: str) -> list[dict[str,
     }
     rows = []
     for name, build in builders.items():
-        start = time.perf_counter()
+        start = _clock()
         runs = []
         process = build()  # one process for every seed: it compiles once
         for seed in range(cfg.seed, cfg.seed + cfg.seeds[workload]):
@@ -273,11 +299,12 @@ def rounds_to_target(cfg: Config, data: Digits, workload: str) -> list[dict[str,
         reached = [r["reached"] for r in runs]
         rows.append({"workload": workload, "algorithm": name, "target": cfg.target[workload],
                      "max_rounds": cfg.max_rounds[workload], "rounds_per_seed": reached,
+                     "diverged_per_seed": [r["diverged"] for r in runs],
                      "rounds": (float(np.median(reached)) if all(reached) else None),
                      "final_accuracy": [r["accuracy"][-1] for r in runs],
                      "s_per_round": float(np.median([_median_after_first(r["seconds"])
                                                      for r in runs])),
-                     "seconds": time.perf_counter() - start})
+                     **_elapsed(start)})
         print(f"  {workload} {name}: rounds {reached} ({rows[-1]['seconds']:.1f} s)",
               file=sys.stderr)
     return rows
@@ -296,12 +323,12 @@ def personalized(cfg: Config, data: Digits) -> list[dict[str, Any]]:
     order = np.argsort([-(len(tr["y"]) + len(te["y"])) for tr, te in zip(trains, tests)],
                        kind="stable")
 
-    def row(method: str, acc: Any, start: float) -> dict[str, Any]:
+    def row(method: str, acc: Any, start: tuple[float, float]) -> dict[str, Any]:
         acc = np.asarray(acc, np.float64)
         return {"method": method, "accuracy": float(acc @ n_test / n_test.sum()),
                 "client_mean": float(acc.mean()),
                 "worst_decile": float(np.sort(acc)[:max(len(acc) // 10, 1)].mean()),
-                "seconds": time.perf_counter() - start}
+                **_elapsed(start)}
 
     def batched(d: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         return [{"x": d["x"][s:s + cfg.batch], "y": d["y"][s:s + cfg.batch]}
@@ -309,7 +336,7 @@ def personalized(cfg: Config, data: Digits) -> list[dict[str, Any]]:
 
     rows = []
     # FedAvg, then its global model and local fine-tuning on each client's train split.
-    start = time.perf_counter()
+    start = _clock()
     model_fn = w1()
     fedavg = algorithms.build_weighted_fed_avg(model_fn, optax.sgd(lr))
     out = _train(fedavg, data.training, sampler.sample_round, rounds)
@@ -326,7 +353,7 @@ def personalized(cfg: Config, data: Digits) -> list[dict[str, Any]]:
     # Ditto: the personal models are client state, kept in a store between rounds.
     per_client_eval = algorithms.build_ditto_eval(model_fn)
     for lam in cfg.ditto_lambdas:
-        start = time.perf_counter()
+        start = _clock()
         ditto = algorithms.build_ditto(model_fn, optax.sgd(lr), lam=lam)
         with tempfile.TemporaryDirectory() as tmp:
             store = ClientStateStore(pathlib.Path(tmp) / "personal", ditto.client_state)
@@ -340,7 +367,7 @@ def personalized(cfg: Config, data: Digits) -> list[dict[str, Any]]:
 
     # Federated Reconstruction: a local output bias, reconstructed on each client's
     # training data (one batch, `recon_epochs` steps), then evaluated on its held-out data.
-    start = time.perf_counter()
+    start = _clock()
     recon_fn = lambda: models.ReconstructionModel(  # noqa: E731
         w1(local_bias=True)(), local_trainable=["local_bias"])
     split = models.ReconstructionModel.build_dataset_split_fn(split_dataset=True)
@@ -396,7 +423,7 @@ def robust(cfg: Config, data: Digits, attack_scale: float) -> list[dict[str, Any
     for key in cfg.aggregators:
         name, factory = factories[key]
         row: dict[str, Any] = {"aggregator": name}
-        start = time.perf_counter()
+        start = _clock()
         # One process for both runs (honest clients' labels are never marked).
         process = algorithms.build_unweighted_fed_avg(
             model_fn, optax.sgd(cfg.client_lr["W1"]), model_aggregator=factory())
@@ -404,9 +431,8 @@ def robust(cfg: Config, data: Digits, attack_scale: float) -> list[dict[str, Any
                                       ("attacked", poisoned_cohort, poisoned_data)):
             out = _train(process, data_fn, cohorts, cfg.robust_rounds)
             w = process.get_model_weights(out["state"])
-            finite = all(np.all(np.isfinite(v)) for v in jax.tree.leaves(w.trainable))
-            row[run] = float(evaluate(w, held_out)["accuracy"]) if finite else 0.0
-        row["seconds"] = time.perf_counter() - start
+            row[run] = float(evaluate(w, held_out)["accuracy"]) if _finite(w) else 0.0
+        row.update(_elapsed(start))
         rows.append(row)
         print(f"  {name}: clean {row['clean']:.3f}, attacked {row['attacked']:.3f}",
               file=sys.stderr)
@@ -429,34 +455,35 @@ def print_tables(out: dict[str, Any], cfg: Config) -> None:
                         if b["workload"] == r["workload"] and b["algorithm"] == "FedAvg")
             ratio = (f"{r['rounds'] / base['rounds']:.2f}x" if r["rounds"] and base["rounds"]
                      else "-")
-            per_seed = ", ".join(str(n) if n else f">{r['max_rounds']}"
-                                 for n in r["rounds_per_seed"])
+            per_seed = ", ".join(
+                str(n) if n else f"diverged in round {d}" if d else f">{r['max_rounds']}"
+                for n, d in zip(r["rounds_per_seed"], r["diverged_per_seed"]))
             rounds = f"{r['rounds']:g}" if r["rounds"] else f"not all in {r['max_rounds']}"
             rows.append([r["workload"], r["algorithm"], f"{r['target']:.2f}", rounds, per_seed,
                          ratio, ", ".join(f"{a:.3f}" for a in r["final_accuracy"]),
-                         f"{r['s_per_round']:.3f}", f"{r['seconds']:.1f}"])
+                         f"{r['s_per_round']:.3f}", _took(r)])
         print(f"### Rounds to a target accuracy: digits, Dirichlet 0.1, {cfg.clients} clients, "
               f"{cfg.cohort} a round\n")
         print(_table(["workload", "algorithm", "target", "rounds (median)", "rounds per seed",
                       "rounds / FedAvg's", "accuracy when stopped", "s/round (median)",
-                      "total s (with compiling)"], rows))
+                      "s in all, with compiling (CPU s)"], rows))
         print()
     if "personal" in out:
         base = out["personal"][0]["accuracy"]
         rows = [[r["method"], f"{r['accuracy']:.3f}", f"{r['accuracy'] - base:+.3f}",
-                 f"{r['client_mean']:.3f}", f"{r['worst_decile']:.3f}", f"{r['seconds']:.1f}"]
+                 f"{r['client_mean']:.3f}", f"{r['worst_decile']:.3f}", _took(r)]
                 for r in out["personal"]]
         print(f"### Personalized accuracy after {cfg.personal_rounds} rounds: each client's "
               "held-out examples\n")
         print(_table(["method", "accuracy (all held-out examples)", "vs FedAvg's global model",
-                      "mean over clients", "worst 10% of clients", "s"], rows))
+                      "mean over clients", "worst 10% of clients", "s (CPU s)"], rows))
         print()
     if "robust" in out:
         rows = [[r["aggregator"], f"{r['clean']:.3f}", f"{r['attacked']:.3f}",
-                 f"{r['seconds']:.1f}"] for r in out["robust"]]
+                 _took(r)] for r in out["robust"]]
         print(f"### Final accuracy after {cfg.robust_rounds} rounds, 20% model-poisoning "
               f"clients ({cfg.robust_cohort} a round)\n")
-        print(_table(["aggregator", "no attackers", "20% attackers", "s (both runs)"], rows))
+        print(_table(["aggregator", "no attackers", "20% attackers", "s, both runs (CPU s)"], rows))
         print()
 
 
@@ -484,7 +511,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else Config()
     sections = args.only or list(SECTIONS)
-    start = time.perf_counter()
+    start = _clock()
     workloads = args.workloads or list(cfg.workloads)
     with jax.numpy_dtype_promotion("standard"), \
             fl.runtime.simulation_context(strategy=args.strategy):  # optax mixes int32 and floats
@@ -497,10 +524,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             out["personal"] = personalized(cfg, data)
         if "robust" in sections:
             out["robust"] = robust(cfg, data, args.attack_scale)
-    out["seconds"] = time.perf_counter() - start
+    out.update(_elapsed(start))
     out["machine"]["load_average_after"] = os.getloadavg()
     print_tables(out, cfg)
-    print(f"{out['seconds']:.0f} s in all; load average {out['machine']['load_average']} "
+    print(f"{out['seconds']:.0f} s in all ({out['cpu_seconds']:.0f} CPU s); load average "
+          f"{out['machine']['load_average']} "
           f"before, {out['machine']['load_average_after']} after", file=sys.stderr)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(out, indent=1, default=str))
