@@ -11,7 +11,7 @@ the algorithms whose clients keep state, and clients as `fedlang.simulation` dat
 The data is scikit-learn's bundled digits (1,797 8x8 images; nothing is downloaded)
 split over the clients by label with Dirichlet(alpha=0.1), each client's examples 80%
 train and 20% held out (`sim.datasets.digits_train_test`). "Global accuracy" is on all
-the clients' held-out examples together (359); "personalized accuracy" evaluates each
+the clients' held-out examples together (360); "personalized accuracy" evaluates each
 client's held-out examples with that client's own model.
 
 1. **Rounds to a target accuracy** for FedAvg, FedProx, SCAFFOLD and Mime Lite on the
