@@ -1,6 +1,6 @@
 """Learning algorithms on strongly non-IID digits (issue 25), printed as bench/README.md's tables.
 
-    .venv/bin/python bench/algorithms.py                  # the full run (minutes on 2 cores)
+    .venv/bin/python bench/algorithms.py                  # the full run (~3 CPU minutes, < 8 min)
     .venv/bin/python bench/algorithms.py --quick          # a smoke run, under a minute
     .venv/bin/python bench/algorithms.py --only robust    # one table (rounds, personal, robust)
     .venv/bin/python bench/algorithms.py --workloads W1 --only rounds     # without the CNN
@@ -16,10 +16,11 @@ client's held-out examples with that client's own model.
 
 1. **Rounds to a target accuracy** for FedAvg, FedProx, SCAFFOLD and Mime Lite on the
    W1 workload (logistic regression 64 -> 10) and the W2 CNN (the FedAvg paper's
-   conv5x5x32-pool-conv5x5x64-pool-dense512-dense10, on 8x8 inputs; W1 only with `--quick`).
-   Every algorithm gets the same clients each round (uniform sampling, one seed), the
-   same local training (batches, epochs, client step size) and runs until it reaches
-   the target or `--max-rounds`.
+   conv5x5x32-pool-conv5x5x64-pool-dense512-dense10 on 8x8 inputs; not in `--quick`).
+   Every algorithm gets the same clients each round (uniform sampling; W1 over three
+   seeds), the same local training (batches, epochs, client step size;
+   `--mime-lr-scale` changes Mime Lite's) and runs until it reaches the target or
+   `Config.max_rounds`.
 2. **Personalized accuracy** of Ditto (personal models in a client-state store),
    Federated Reconstruction (a per-client output bias reconstructed from each
    client's training data, never sent) and FedAvg + local fine-tuning
