@@ -182,10 +182,10 @@ def run(steps: int = 30, num_clients: int = 20, buffer_size: int = 10, max_stale
 
 
 def serve(db: str, port: int, admin_token: str, steps: int, buffer_size: int = 10,
-          max_staleness: int = 4, out: str | None = None) -> None:
+          max_staleness: int = 4, out: str | None = None, key_file: str | None = None) -> None:
     """The server and the driver in one process (see the module docstring)."""
     process = build_process(buffer_size, max_staleness)
-    with deploy.Server(db=db, port=port, admin_token=admin_token,
+    with deploy.Server(db=db, port=port, admin_token=admin_token, key=key_file,
                        pace=deploy.Pace(min_retry=0.05, max_retry=0.5), tick=0.2) as server:
         try:
             print(f"population digits token: {server.store.create_population('digits')}",
@@ -224,6 +224,7 @@ def main() -> None:
     s.add_argument("--db", required=True)
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--admin-token", default=os.environ.get("FEDLANG_ADMIN_TOKEN", "admin"))
+    s.add_argument("--key-file", help="the plan-signing key file (PostgreSQL needs one)")
     s.add_argument("--steps", type=int, default=30)
     s.add_argument("--buffer-size", type=int, default=10)
     s.add_argument("--max-staleness", type=int, default=4)
@@ -238,7 +239,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "serve":
         serve(args.db, args.port, args.admin_token, args.steps, args.buffer_size,
-              args.max_staleness, args.out)
+              args.max_staleness, args.out, args.key_file)
     elif args.mode == "client":
         client_main(args.server, args.token, args.data, args.batch_size, args.max_delay,
                     args.seed)

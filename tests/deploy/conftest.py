@@ -137,6 +137,7 @@ def server_factory(tmp_path):
     servers = []
 
     def make(db=None, **kwargs):
+        kwargs.setdefault("key", tmp_path / "signing.key")  # PostgreSQL needs one
         kwargs.setdefault("pace", deploy.Pace(min_retry=0.05, max_retry=0.2))
         kwargs.setdefault("tick", 0.05)
         server = deploy.Server(db=db or tmp_path / "server.db", port=0, **kwargs)
@@ -167,6 +168,7 @@ class ServerProcess:
         self.min_retry, self.extra_args = min_retry, list(extra_args)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / "server.log"
+        self.key_file = tmp_path / "signing.key"
         self.proc = None
 
     def start(self):
@@ -174,7 +176,8 @@ class ServerProcess:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "fedlang", "serve", "--db", self.db, "--port", str(self.port),
-                 "--min-retry", str(self.min_retry), *self.extra_args],
+                 "--min-retry", str(self.min_retry), "--key-file", str(self.key_file),
+                 *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
         end = time.monotonic() + 60

@@ -69,7 +69,8 @@ class ServeProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, str(EXAMPLE), "serve", "--db", self.db, "--port",
                  str(self.port), "--admin-token", "admin", "--steps", str(STEPS),
-                 "--buffer-size", str(K), "--max-staleness", "2", "--out", str(self.out)],
+                 "--buffer-size", str(K), "--max-staleness", "2", "--out", str(self.out),
+                 "--key-file", str(self.tmp / "signing.key")],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
         return self

@@ -29,10 +29,10 @@ def serve(
     host: Annotated[str, typer.Option(metavar="ADDRESS", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(metavar="N", help="Port (0: any free port).")] = 8000,
     admin_token: Annotated[str | None, typer.Option(
-        envvar="FEDLANG_ADMIN_TOKEN", metavar="TOKEN", help="The admin token (default: kept in the database).")]
+        envvar="FEDLANG_ADMIN_TOKEN", metavar="TOKEN", help="The admin token; the database keeps only its hash (default: the one set before, or a new one, shown once).")]
     = None,
     key_file: Annotated[pathlib.Path | None, typer.Option(
-        metavar="PATH", help="The plan-signing key file (made if missing; default: kept in the database).")]
+        metavar="PATH", help="The plan-signing key file (made, mode 0600, if missing; default: DB.key next to an SQLite database; needed with PostgreSQL).")]
     = None,
     population: Annotated[list[str] | None, typer.Option(
         metavar="NAME", help="Create this population if it is new and print its enrollment token (repeatable).")]
@@ -82,7 +82,14 @@ def serve(
         print(f"fedlang task store at {server.url} (database {db})", flush=True)
         if demo_page:
             print(f"demo page: {server.url}/demo/", flush=True)
-        print(f"admin token: {server.admin_token}", flush=True)
+        if server.admin_token is not None and admin_token is None:
+            print(f"admin token: {server.admin_token} (new: shown only now; the database keeps "
+                  "its hash)", flush=True)
+        elif admin_token is None:
+            print("admin token: the one set before (the database keeps only its hash; "
+                  "--admin-token sets another)", flush=True)
+        else:
+            print("admin token: the one given (--admin-token or FEDLANG_ADMIN_TOKEN)", flush=True)
         print(f"public key: {base64.b64encode(server.public_key).decode()}", flush=True)
         for name in population or []:
             try:

@@ -441,7 +441,7 @@ def test_a_restarted_server_continues_the_round_from_its_database(
     def restart():
         c.server.stop()
         c.http.close()
-        c.connect(server_factory(db=db_url, clock=clock))
+        c.connect(server_factory(db=db_url, clock=clock, admin_token=c.server.admin_token))
 
     try:
         for cid in ids:

@@ -14,6 +14,7 @@ from fastapi import security
 
 from fedlang.deploy import protocol
 from fedlang.deploy.server import state as state_lib
+from fedlang.deploy.store import store as store_lib
 
 _bearer = security.HTTPBearer(auto_error=False, description="A bearer token.")
 Bearer = Annotated[security.HTTPAuthorizationCredentials | None, fastapi.Depends(_bearer)]
@@ -70,7 +71,7 @@ def admin_header(server: state_lib.ServerState, authorization: str | None) -> No
 
 
 def _check_admin(server: state_lib.ServerState, given: str) -> None:
-    if not secrets.compare_digest(given.encode(), server.admin_token.encode()):
+    if not secrets.compare_digest(store_lib.secret_hash(given), server.admin_token_hash):
         raise protocol.Unauthorized(
             "Expected the server's admin token, found another token; it is printed when "
             "the server starts (or set with --admin-token)."

@@ -17,7 +17,6 @@ import errno
 import fcntl
 import os
 import pathlib
-import secrets
 import socket
 import threading
 import time
@@ -76,21 +75,68 @@ def hold_database(db: str | os.PathLike[str]) -> Any:
     return f
 
 
-def load_key(key: Any, store: store_lib.Store) -> Any:
-    """The server's Ed25519 signing key: `key` itself, a key file (32 raw bytes, created
-    if missing), or (None) the key kept in the database, created on first start."""
-    if key is None:
-        return signing.load_private_key(
-            store.setdefault_meta("signing_key", signing.private_key_bytes(signing.generate_key()))
+def default_key_file(db: str | os.PathLike[str]) -> pathlib.Path | None:
+    """Where the plan-signing key of a task store is kept by default: `DB.key` next to an
+    SQLite database (None for `:memory:` and for PostgreSQL, which needs `--key-file`)."""
+    dialect = sql.dialect(db)
+    if not isinstance(dialect, sql.SQLite) or dialect.path == ":memory:":
+        return None
+    path = pathlib.Path(dialect.path).resolve()
+    return path.with_name(path.name + ".key")
+
+
+def _write_secret(path: pathlib.Path, data: bytes) -> None:
+    """Writes a new file readable by its owner only (mode 0600), whole or not at all."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)  # fails if the file appeared meanwhile: never overwritten
+    finally:
+        os.unlink(tmp)
+
+
+def load_key(key: Any, store: store_lib.Store, db: str | os.PathLike[str] = "") -> Any:
+    """The server's Ed25519 signing key: `key` itself, or a key file (32 raw bytes, made
+    with mode 0600 if missing): `key`, or by default `default_key_file(db)`. The key is
+    never kept in the database, whose backups would then let anyone sign plans; a key an
+    older fedlang kept there is moved to the key file (so clients' pinned key stays).
+
+    Raises:
+      ValueError: no key file for a PostgreSQL database, or a key file that disagrees
+        with the key an older fedlang kept in the database.
+    """
+    if key is not None and not isinstance(key, str | os.PathLike):
+        return key
+    path = pathlib.Path(key) if key is not None else default_key_file(db)
+    legacy = store.get_meta("signing_key")
+    if path is None:
+        dialect = sql.dialect(db)
+        if isinstance(dialect, sql.SQLite):  # in memory: the key lives as long as the data
+            return signing.load_private_key(legacy) if legacy else signing.generate_key()
+        raise ValueError(
+            "Expected a key file for the plan-signing key with a PostgreSQL database, found "
+            "none; pass --key-file PATH (Server(key=PATH)): it is made, readable by its owner "
+            "only, if missing, and must be the same file for every server of the database."
         )
-    if isinstance(key, str | os.PathLike):
-        path = pathlib.Path(key)
+    if legacy is not None:
         if not path.exists():
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(signing.private_key_bytes(signing.generate_key()))
-        return signing.load_private_key(path.read_bytes())
-    return key
+            _write_secret(path, legacy)
+        elif path.read_bytes() != legacy:
+            raise ValueError(
+                f"Expected the key file {path} to hold the signing key this database kept "
+                "(an older fedlang kept it in the database), found another key; move that "
+                "file away to keep the database's key (clients pinned it), or delete the "
+                "database's copy to switch keys."
+            )
+        store.delete_meta("signing_key")
+    if not path.exists():
+        with contextlib.suppress(FileExistsError):  # another server made it first
+            _write_secret(path, signing.private_key_bytes(signing.generate_key()))
+    return signing.load_private_key(path.read_bytes())
 
 
 def _free_socket(host: str, port: int) -> socket.socket:
@@ -121,10 +167,12 @@ class Server:
       db: the database: `sqlite:///PATH`, a file path, or `postgresql://...`.
       host: the address to listen on.
       port: the port (0: any free port; see `url`).
-      admin_token: the admin endpoints' bearer token (default: one kept in the database,
-        made on first start).
-      key: the plan-signing key: an Ed25519 private key, a key file (made if missing), or
-        None for one kept in the database, made on first start and never regenerated.
+      admin_token: the admin endpoints' bearer token; the database keeps only its SHA-256.
+        By default the one set before, or, on a new database, one made now (`admin_token`
+        shows it on that first start only).
+      key: the plan-signing key: an Ed25519 private key, or a key file (made, mode 0600,
+        if missing); by default `DB.key` next to an SQLite database. Never kept in the
+        database.
       pace: pace steering of check-ins (`fedlang.deploy.Pace`).
       credential_ttl: seconds a client credential stays valid.
       ssl_keyfile, ssl_certfile: serve HTTPS (uvicorn's TLS).
@@ -169,13 +217,13 @@ class Server:
             self._release()
             raise
         try:  # what fails below (a port in use, a missing asset) leaves nothing held
-            if admin_token is None:
-                admin_token = self.store.setdefault_meta(
-                    "admin_token", secrets.token_urlsafe(24).encode()
-                ).decode()
-            self.admin_token = admin_token
+            token_hash, made = self.store.admin_token(admin_token)
+            # The token, when this start knows it (given, or made now and shown once);
+            # None when the database keeps only its hash from an earlier start.
+            self.admin_token = admin_token or made
             self.app_state = state_lib.ServerState(
-                self.store, load_key(key, self.store), admin_token, credential_ttl, max_blob_bytes
+                self.store, load_key(key, self.store, db), token_hash, credential_ttl,
+                max_blob_bytes,
             )
             self.public_key = self.app_state.public_key
             self.app = app_lib.create_app(self.app_state, tick)

@@ -23,7 +23,7 @@ class ServerState:
     Args:
       store: the task store.
       key: the Ed25519 key that signs plans.
-      admin_token: the bearer token of the admin endpoints.
+      admin_token_hash: the SHA-256 (hex) of the admin endpoints' bearer token.
       credential_ttl: seconds a client credential stays valid.
       max_blob_bytes: the largest blob the admin may upload.
     """
@@ -32,14 +32,14 @@ class ServerState:
         self,
         store: store_lib.Store,
         key: Any,
-        admin_token: str,
+        admin_token_hash: str,
         credential_ttl: float = 30 * 86400,
         max_blob_bytes: int = 1 << 30,
     ):
         self.store = store
         self.key = key
         self.public_key = signing.public_key_bytes(key)
-        self.admin_token = admin_token
+        self.admin_token_hash = admin_token_hash
         self.credential_ttl = credential_ttl
         self.max_blob_bytes = max_blob_bytes
         # Each plan is read, verified and parsed once for every upload checked against it.

@@ -41,6 +41,9 @@ class SQLite(Dialect):
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=60000")
+        # What is deleted is overwritten with zeros, not left on a free page for a copy
+        # of the file to show (a revoked credential's hash, a secret an older fedlang kept).
+        conn.execute("PRAGMA secure_delete=ON")
         return conn
 
     def begin(self, conn: Any, write: bool) -> None:

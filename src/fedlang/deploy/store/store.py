@@ -56,7 +56,8 @@ class Pace:
 
 
 def secret_hash(secret: str) -> str:
-    """What the store keeps of a secret (an enrollment token, a credential): its SHA-256."""
+    """What the store keeps of a secret (the admin token, an enrollment token, a
+    credential): its SHA-256."""
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
@@ -140,14 +141,50 @@ class Store:
 
     # -- metadata (the server's key, its admin token)
 
-    def setdefault_meta(self, key: str, value: bytes) -> bytes:
-        """The stored value of `key`, storing `value` first if there is none."""
+    def get_meta(self, key: str) -> bytes | None:
+        with self.transaction() as tx:
+            row = tx.one("SELECT value FROM meta WHERE key = ?", (key,))
+        return None if row is None else bytes(row[0])
+
+    def delete_meta(self, key: str) -> None:
+        """Deletes `key` and, on SQLite, every copy of its old value (the deleted cell is
+        zeroed, `secure_delete`, and the write-ahead log truncated). PostgreSQL keeps a
+        deleted row's bytes until `VACUUM` reclaims them."""
         with self.transaction(write=True) as tx:
-            tx.run(
-                "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING",
-                (key, value),
-            )
-            return bytes(tx.one("SELECT value FROM meta WHERE key = ?", (key,))[0])
+            tx.run("DELETE FROM meta WHERE key = ?", (key,))
+        if isinstance(self.dialect, sql.SQLite):  # a checkpoint runs outside a transaction
+            conn = self.dialect.connect()
+            try:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            finally:
+                conn.close()
+
+    def admin_token(self, token: str | None = None) -> tuple[str, str | None]:
+        """The SHA-256 of the admin token, which is all the store keeps of it, and the
+        token itself when it is new: `token` (kept from now on, replacing the one before),
+        or, when the store has none yet, one made here. A token an older fedlang kept in
+        the clear is hashed and its clear copy deleted."""
+        made = None
+        with self.transaction(write=True) as tx:
+            legacy = tx.one("SELECT value FROM meta WHERE key = 'admin_token'" + tx.dialect.lock_row)
+            if legacy is not None:  # zeroed on SQLite (secure_delete); see delete_meta
+                tx.run("DELETE FROM meta WHERE key = 'admin_token'")
+                tx.run(
+                    "INSERT INTO meta (key, value) VALUES ('admin_token_sha256', ?)"
+                    " ON CONFLICT (key) DO NOTHING",
+                    (secret_hash(bytes(legacy[0]).decode()).encode(),),
+                )
+            row = tx.one("SELECT value FROM meta WHERE key = 'admin_token_sha256'")
+            if token is None and row is None:
+                token = made = secrets.token_urlsafe(24)
+            if token is not None:
+                tx.run(
+                    "INSERT INTO meta (key, value) VALUES ('admin_token_sha256', ?)"
+                    " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    (secret_hash(token).encode(),),
+                )
+                return secret_hash(token), made
+            return bytes(row[0]).decode(), None
 
 
     # -- populations and clients
