@@ -178,7 +178,9 @@ def test_the_state_survives_reopening_the_database(db_url, clock, folder, sum_ro
         rounds = rounds_lib.Rounds(again)
         assert rounds.round(r.id).reports == 1
         assert accept(rounds, folder, r.id, a, report(sum_round, [1, 2, 3])) is False
-        assert again.setdefault_meta("k", b"1") == b"1" and again.setdefault_meta("k", b"2") == b"1"
+        h, made = again.admin_token()  # made on first use, then kept (as a hash)
+        assert made is not None and again.admin_token() == (h, None)
+        assert again.get_meta("admin_token_sha256") == h.encode() == store_lib.secret_hash(made).encode()
     finally:
         again.close()
 
