@@ -109,6 +109,9 @@ def client(
     patience: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds to retry an unreachable server.")]
     = 300.0,
     verbose: Annotated[bool, typer.Option(help="Log each step.")] = True,
+    state_dir: Annotated[pathlib.Path | None, typer.Option(
+        metavar="DIR", help="Keep this device's client states here (tasks with client state "
+                            "need it; the states never leave the device).")] = None,
 ) -> None:
     """Run a client: check in, run tasks on local data, upload reports (connects out only)."""
     from fedlang.deploy import protocol
@@ -128,6 +131,7 @@ def client(
         with client_lib.Client(
             server, population, token, named, batch_size=batch_size,
             credential_file=credential_file, max_tasks=max_tasks, patience=patience,
+            state_dir=state_dir,
         ) as c:
             done = c.run()
     except (protocol.ProtocolError, http.ServerUnavailable, OSError, ValueError, KeyError) as e:

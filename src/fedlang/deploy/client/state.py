@@ -34,7 +34,7 @@ from typing import Any
 from fedlang.core import serialization, types
 
 
-class StateFileError(RuntimeError):
+class StateFileError(ValueError):
     """A stored client state cannot be used for the task (another type, or corrupt)."""
 
 

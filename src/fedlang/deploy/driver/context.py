@@ -108,9 +108,10 @@ class LocalRounds:
     path without the network: for trying a deployment on one machine and for checking it
     against the simulation runtime.
 
-    A round with client state gives each client its own state (kept here per client,
-    as each device keeps its own) and keeps a contributor's new state once its report
-    is folded; a client that did not contribute keeps its old state.
+    A round with client state gives each client its own state (kept here per client
+    id, as each device keeps its own) and keeps a contributor's new state once its
+    report is folded; a client that did not contribute keeps its old state. `clients`
+    may be replaced between rounds (a cohort per round): states stay with the ids.
 
     Args:
       clients: client id -> that client's datasets by name.
@@ -127,7 +128,7 @@ class LocalRounds:
         self.clients = dict(clients)
         self.secagg_threshold, self.secagg_degree = secagg_threshold, secagg_degree
         self._key = signing.generate_key()
-        self.states: dict[str, dict[str, Any]] = {cid: {} for cid in self.clients}
+        self.states: dict[str, dict[str, Any]] = {}
 
     def run_round(self, plan: plan_lib.RoundPlan, broadcast: bytes) -> RoundResult:
         start = time.perf_counter()
@@ -141,7 +142,7 @@ class LocalRounds:
         parts = {
             cid: execution.run_plan_parts(
                 verified, broadcast, data,
-                state=None if sp is None else self.states[cid].get(sp.name))
+                state=None if sp is None else self.states.get(cid, {}).get(sp.name))
             for cid, data in self.clients.items()
         }
         contributors = list(parts)
@@ -159,7 +160,7 @@ class LocalRounds:
         for cid in contributors:
             aggregate = folder.fold(aggregate, folder.check(parts[cid].report))
             if sp is not None and sp.writes:
-                self.states[cid][sp.name] = parts[cid].state
+                self.states.setdefault(cid, {})[sp.name] = parts[cid].state
         return RoundResult(aggregate, len(contributors), time.perf_counter() - start, details)
 
 
@@ -174,6 +175,14 @@ class _DeploymentRun(simulation.Run):
 
     def compute_wave(self, wave: list[simulation.AggThunk]) -> list[Any]:
         round_plan, broadcast = plan_lib.build(wave, self.state_write)
+        write = self.state_write[0] if self.state_write is not None else None
+        if write is not None and write not in wave and not write.done and round_plan.state:
+            raise plan_lib.DeploymentError(
+                "A round reads the client state but another round would write its new "
+                "values (they depend on a value the server computes after this round), and "
+                "each round runs on its own clients. Compute the new states in the client "
+                "work whose results this round aggregates."
+            )
         broadcast_bytes = serialization.serialize_value(
             structure.to_python(broadcast, round_plan.broadcast_type), round_plan.broadcast_type
         )
@@ -265,7 +274,8 @@ class DeploymentContext:
             return reference.to_python(_force(result), t.result)
         assert spec is not None
         result_t = cast(types.StructType, t.result)
-        fields = list(lazy.force(result))
+        # Shallow: forcing the other fields now would run their rounds without the write.
+        fields = list(result.get() if isinstance(result, lazy.Thunk) else result)
         write = simulation.AggThunk(run, fields[spec.result], _no_accumulator)
         run.state_write = (write, sources[0])
         fields[spec.result] = write
