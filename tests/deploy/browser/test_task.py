@@ -102,3 +102,11 @@ def test_what_browsers_cannot_run_is_refused_by_name():
     plan, _ = capture(secure_total, deploy.client_data("train"))
     with pytest.raises(onnx_export.BrowserExportError, match=r"secure aggregation.*secure_sum"):
         task.compile_task(plan)
+
+
+def test_a_task_with_client_state_is_refused_with_where_to_run_it():
+    from ..client.test_state import running_sums
+
+    plan, _ = capture(running_sums, deploy.client_data("train"), deploy.client_state("sums"))
+    with pytest.raises(onnx_export.BrowserExportError, match=r"client state 'sums'.*--state-dir"):
+        task.compile_task(plan)

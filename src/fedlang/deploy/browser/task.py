@@ -456,6 +456,13 @@ def compile_task(round_plan: plan_lib.RoundPlan) -> BrowserTask:
     Raises:
       BrowserExportError: naming what browsers cannot run.
     """
+    if round_plan.state is not None:
+        raise Error(
+            f"This task keeps client state {round_plan.state.name!r} on each device, and "
+            "browser clients cannot keep client state yet. Run computations with client state "
+            "(fl.with_client_state, e.g. SCAFFOLD or Ditto) on Python clients "
+            "(fedlang client --state-dir DIR)."
+        )
     fn = local_task(round_plan)
     arg_t = cast(types.StructType, fn.parameter_type)
     data_t, broadcast_t = arg_t.types

@@ -522,6 +522,11 @@ export class FedlangClient {
     if (!this.tasks.has(hash)) {
       const payload = await verifySigned(await this.blob(hash), this.pinned);
       const plan = JSON.parse(new TextDecoder().decode(payload));
+      if (plan.state) {
+        throw new FedlangError(`This task keeps client state "${plan.state.name}" on each ` +
+          "device, and browser clients cannot keep client state yet; run it on Python clients " +
+          "(fedlang client --state-dir DIR).");
+      }
       this.tasks.clear();
       this.tasks.set(hash, await BrowserTask.create(plan.browser));
     }
