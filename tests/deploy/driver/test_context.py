@@ -276,3 +276,65 @@ def test_client_state_is_passed_only_for_a_declared_state_parameter():
         process.next(process.initialize(), deploy.client_data("train"), [])
     with pytest.raises(ValueError, match="client state name"):
         deploy.client_state("not a name")
+
+
+_INTS = fl.TensorType(np.int32, [3])
+
+
+@fl.jax_computation()
+def _no_ints():
+    return np.zeros(3, np.int32)
+
+
+@fl.jax_computation(_INTS, _INTS)
+def _add_ints(a, b):
+    return a + b
+
+
+@fl.federated_computation(fl.type_at_clients(_INTS), fl.type_at_clients(_INTS))
+def _secure_counts(x, states):
+    """Each client's state adds up its inputs; the round sums the new states securely."""
+    new = fl.federated_map(_add_ints, fl.federated_zip((states, x)))
+    return fl.federated_secure_sum_bitwidth(new, 8), new
+
+
+secure_counts = fl.with_client_state(_secure_counts, _no_ints, parameter="states", result=1)
+
+
+@fl.federated_computation(fl.type_at_clients(_INTS))
+def _recentred(states):
+    """New states need the sum of the old ones: a second round, on other clients."""
+    total = fl.federated_sum(states)
+    return total, fl.federated_map(_add_ints, fl.federated_zip((states, fl.federated_broadcast(total))))
+
+
+recentred = fl.with_client_state(_recentred, _no_ints, parameter=0, result=1)
+
+
+def test_secure_rounds_keep_each_survivor_s_new_state():
+    @fl.jax_computation(fl.SequenceType(_INTS))
+    def first(ds):
+        return ds.reduce(np.zeros(3, np.int32), lambda s, v: s + v)
+
+    @fl.federated_computation(fl.type_at_clients(fl.SequenceType(_INTS)), fl.type_at_clients(_INTS))
+    def from_data(data, states):
+        return secure_counts(fl.federated_map(first, data), states)
+
+    stateful = fl.with_client_state(from_data, _no_ints, parameter="states", result=1)
+    clients = {f"c{i}": {"d": [np.array([i, 1, 2], np.int32)]} for i in range(4)}
+    runner = deploy.LocalRounds(clients)
+    for round_num in (1, 2):
+        with context.with_context(deploy.DeploymentContext(runner)):
+            total, _ = stateful(deploy.client_data("d"), deploy.client_state("n"))
+        want = round_num * np.array([0 + 1 + 2 + 3, 4, 8])
+        np.testing.assert_array_equal(total, want)  # the secure sum of the new states
+        for i in range(4):
+            np.testing.assert_array_equal(runner.states[f"c{i}"]["n"], round_num * np.array([i, 1, 2]))
+
+
+def test_a_round_reading_states_whose_new_values_need_its_result_is_refused():
+    runner = _Recording({"c": {}})
+    with context.with_context(deploy.DeploymentContext(runner)), \
+            pytest.raises(deploy.DeploymentError, match="another round would write"):
+        recentred(deploy.client_state("n"))
+    assert runner.plans == [] and runner.local.states == {}  # refused before it started
