@@ -1,6 +1,8 @@
 """A device's client states: atomic files, and committed only once a report is in."""
 
+import pathlib
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -163,3 +165,83 @@ def test_a_client_without_a_state_directory_refuses_a_stateful_task(server_facto
     with pytest.raises(ValueError, match="run_plan_parts"):
         execution.run_plan(plan, broadcast, client.data)
     client.close()
+
+
+_CLIENT_PROCESS = """
+import pathlib, sys, time
+import numpy as np
+from fedlang import deploy
+
+url, token, state_dir, gate = sys.argv[1:5]
+
+
+class Waiting:  # the client's data, readable once the test creates `gate`
+    def __iter__(self):
+        pathlib.Path(gate + ".started").touch()  # the task runs: plan and broadcast fetched
+        while not pathlib.Path(gate).exists():
+            time.sleep(0.02)
+        yield {"x": np.full((2, 3), 5, np.float32)}
+        pathlib.Path(gate + ".read").touch()  # the task has read its data
+
+
+deploy.Client(url, "pop", token, {"train": Waiting()}, state_dir=state_dir, patience=120,
+              backoff=(0.05, 0.2)).run()
+"""
+
+
+def test_a_client_killed_before_its_report_is_acknowledged_keeps_its_old_state(
+    server_factory, tmp_path
+):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from ..conftest import ROOT
+
+    server = server_factory()
+    with deploy.Admin(server.url, server.admin_token) as admin:
+        token = admin.create_population("pop")
+    states = state_lib.DeviceStates(tmp_path / "device")
+    states.commit("pop", "sums", S, np.array([7, 7, 7], np.float32))
+    before = states.path("pop", "sums").read_bytes()
+    script, gate = tmp_path / "client.py", tmp_path / "gate"
+    script.write_text(_CLIENT_PROCESS)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    with open(tmp_path / "client.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), server.url, token, str(tmp_path / "device"), str(gate)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    outcome = {}
+
+    def drive():
+        ctx = deploy.deployment_context(server.url, server.admin_token, "pop", target=1,
+                                        patience=1, backoff=(0.05, 0.2))
+        try:
+            with context.with_context(ctx):
+                running_sums(deploy.client_data("train"), deploy.client_state("sums"))
+        except Exception as e:  # the server goes away mid-round
+            outcome["error"] = e
+        finally:
+            ctx.runner.close()
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    try:
+        wait_for(lambda: pathlib.Path(f"{gate}.started").exists(), "the task to start")
+        server.stop()  # the report will find no server
+        gate.touch()  # the client computes its new state and tries to upload its report
+        wait_for(lambda: pathlib.Path(f"{gate}.read").exists(), "the task to read its data")
+        time.sleep(1.0)  # its upload finds no server and is retried
+        assert proc.poll() is None, (tmp_path / "client.log").read_text()
+        os.killpg(proc.pid, signal.SIGKILL)  # killed while retrying the upload
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        driver.join(timeout=60)
+    assert not driver.is_alive() and "error" in outcome
+    assert "reported" not in (tmp_path / "client.log").read_text()
+    assert states.path("pop", "sums").read_bytes() == before  # never acknowledged: unchanged
+    assert [p.name for p in (tmp_path / "device" / "pop").iterdir()] == ["sums.state"]
