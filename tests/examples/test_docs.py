@@ -34,6 +34,8 @@ NOT_RUN = {
         "starts a Ray instance and joins a cluster",
     ("deploy.md", "from fedlang import deploy"):
         "needs clients reporting 300 updates",
+    ("deploy.md", "process = fl.learning.algorithms.build_scaffold(model_fn, 0.05, total_clients=1000)"):
+        "needs a server and clients",
 }
 
 

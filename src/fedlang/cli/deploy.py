@@ -177,6 +177,9 @@ def client(
     patience: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds to retry an unreachable server.")]
     = 300.0,
     verbose: Annotated[bool, typer.Option(help="Log each step.")] = True,
+    state_dir: Annotated[pathlib.Path | None, typer.Option(
+        metavar="DIR", help="Keep this device's client states here (tasks with client state "
+                            "need it; the states never leave the device).")] = None,
 ) -> None:
     """Run a client: check in, run tasks on local data, upload reports (connects out only).
 
@@ -217,6 +220,7 @@ def client(
         with client_lib.Client(
             server, population, token, named, batch_size=batch_size,
             credential_file=credential_file, max_tasks=max_tasks, patience=patience,
+            state_dir=state_dir,
         ) as c, status_lib.defer_interrupts(
             "stopping after the task in progress (Ctrl-C again to stop now)", stop_now,
             on_request=c.stop, sigterm=True,

@@ -27,9 +27,10 @@ everywhere (the states go in and come back as lists), which is how tests compare
 runtime with plain NumPy. Any `{S}@CLIENTS` argument may be given as a binding; only
 a computation declared with `with_client_state` writes one back.
 
-A deployment keeps the state on the devices: its binding names the state without
-holding it, each device reads and writes its own state inside its client task, and
-the server never sees it (docs/learning.md, "Client state").
+A deployment keeps the state on the devices: its binding
+(`fedlang.deploy.client_state(name)`) names the state without holding it, each device
+reads and writes its own state inside its client task, and the server never sees it
+(docs/learning.md, "Client state").
 
 Example:
   >>> import numpy as np, fedlang as fl

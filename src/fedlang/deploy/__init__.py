@@ -7,7 +7,8 @@ contract), `plans/` (what a client runs), `store/` (durable state), `server/` (H
 The same computations that run in simulation run on real clients: the deployment
 runtime (`DeploymentContext`) turns each wave of aggregations into a round, clients run
 the round's task on their own data (`client_data("train")`) and report pre-aggregated
-partials that the server folds. See docs/deploy.md.
+partials that the server folds. Client state (`fl.with_client_state`) is bound by name
+(`client_state("c_i")`) and stays on each device. See docs/deploy.md.
 
 Buffered asynchronous sessions (FedBuff) run a buffered learning process on the same
 clients: `BufferedDriver` publishes model versions and folds the reports clients send
@@ -23,10 +24,12 @@ from typing import Any as _Any
 
 from fedlang.deploy import secagg as secagg
 from fedlang.deploy.driver.context import ClientDataRef as ClientDataRef
+from fedlang.deploy.driver.context import ClientStateRef as ClientStateRef
 from fedlang.deploy.driver.context import DeploymentContext as DeploymentContext
 from fedlang.deploy.driver.context import LocalRounds as LocalRounds
 from fedlang.deploy.driver.context import RoundResult as RoundResult
 from fedlang.deploy.driver.context import client_data as client_data
+from fedlang.deploy.driver.context import client_state as client_state
 from fedlang.deploy.plans.folding import Folder as Folder
 from fedlang.deploy.plans.folding import ReportError as ReportError
 from fedlang.deploy.plans.round import DeploymentError as DeploymentError

@@ -5,9 +5,11 @@ import base64
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
+import fedlang as fl
 from fedlang import deploy
 from fedlang.core import context, serialization
 from fedlang.deploy.plans import execution
@@ -322,3 +324,63 @@ def test_a_page_rides_out_a_server_restart(serve_process, pages, logreg_process,
         want, _ = process.next(process.initialize(), [batches(share)])
     np.testing.assert_allclose(process.get_model_weights(state).trainable["w"],
                                process.get_model_weights(want).trainable["w"], rtol=1e-5, atol=1e-6)
+
+
+READ_STATE = """
+async ([key]) => {
+  const m = await import('/browser/fedlang.js');
+  const bytes = await new m.StateStore().get(key);  // a new handle: what IndexedDB holds
+  return bytes ? m.toBase64(bytes) : null;
+}
+"""
+
+
+@pytest.mark.slow  # about 60 s: Chromium, the preflight, 2 rounds of 3 clients
+def test_browsers_keep_their_client_state_in_indexeddb(server_factory, client_threads, pages, tmp_path):
+    # arrange: 2 pages and a Python client, SCAFFOLD (a control variate per client)
+    from fedlang.deploy.browser import runner
+    from fedlang.learning import algorithms
+
+    from .conftest import model_fn
+
+    shares = digits_clients(3, per_client=60)
+    server = server_factory(browser=True)
+    with deploy.Admin(server.url, server.admin_token) as admin:
+        token = admin.create_population("digits")
+    browsers = [pages(f"{server.url}/v1/status") for _ in range(2)]
+    for page, share in zip(browsers, shares[:2]):
+        start_page_client(page, "digits", token, share)
+    python = deploy.Client(server.url, "digits", token, {"train": batches(shares[2])},
+                           state_dir=tmp_path / "device", **FAST)
+    errors = client_threads(python)
+    process = algorithms.build_scaffold(model_fn, 0.1, total_clients=3)
+    state = initial = process.initialize()
+    ctx = deploy.deployment_context(server.url, server.admin_token, "digits", target=3,
+                                    deadline=120, browser=True)
+    # act
+    with context.with_context(ctx):
+        for _ in range(2):
+            state, _, _ = process.next(state, deploy.client_data("train"),
+                                       deploy.client_state("scaffold"))
+    ctx.runner.finish()
+    ctx.runner.close()
+    # assert: the reference runtime on the same 3 clients gives the same model and states
+    with fl.runtime.reference_context():
+        want, states = initial, [process.client_state.initial_state()] * 3
+        for _ in range(2):
+            want, _, states = process.next(want, [batches(s) for s in shares], states)
+    for got, ref in zip(jax.tree.leaves(process.get_model_weights(state)),
+                        jax.tree.leaves(process.get_model_weights(want))):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    for page, ref in zip(browsers, states[:2]):
+        _wait(lambda p=page: p.evaluate("window.outcome") is not None, what="the page to stop",
+              page=page)
+        assert page.evaluate("window.outcome") == {"done": 2}
+        kept = page.evaluate(READ_STATE, ["digits/scaffold"])
+        for got, r in zip(runner.read_value(base64.b64decode(kept)), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(got, r, rtol=1e-5, atol=1e-5)
+    _wait(lambda: python.tasks_done == 2, what="the Python client's second report")
+    on_device = python.states.read("digits", "scaffold", process.client_state.state_type)
+    for got, r in zip(jax.tree.leaves(on_device), jax.tree.leaves(states[2])):
+        np.testing.assert_allclose(got, r, rtol=1e-5, atol=1e-5)
+    assert not errors

@@ -16,6 +16,7 @@ from .conftest import batches, digits_clients
 
 pytest.importorskip("jax2onnx", reason="the browser extra is not installed")
 
+from fedlang.deploy import browser as deploy_browser
 from fedlang.deploy.browser import onnx_export, runner, task
 
 
@@ -102,3 +103,30 @@ def test_what_browsers_cannot_run_is_refused_by_name():
     plan, _ = capture(secure_total, deploy.client_data("train"))
     with pytest.raises(onnx_export.BrowserExportError, match=r"secure aggregation.*secure_sum"):
         task.compile_task(plan)
+
+
+def test_a_task_with_client_state_runs_as_the_python_client_runs_it_state_included():
+    from ...learning.test_client_state_algorithms import client_batches, scaffold
+
+    process = scaffold()
+    plan, broadcast = capture(process.next, process.initialize(), deploy.client_data("train"),
+                              deploy.client_state("scaffold"))
+    section = deploy_browser.BrowserTasks().section(plan, broadcast)  # with the preflight
+    assert section["state"]["name"] == "scaffold" and section["state"]["outputs"]
+    data = {"train": client_batches("c1", 0)}
+    with pytest.raises(ValueError, match="run_task_with_state"):
+        runner.run_task(section, broadcast, data)
+    stored, python_state = None, None
+    for _ in range(2):  # the second run starts from the state the first one left
+        report, stored = runner.run_task_with_state(section, broadcast, data, stored)
+        want = execution.run_plan_parts(plan, broadcast, data, state=python_state)
+        python_state = want.state
+        for got, ref in zip(runner.read_value(report), runner.read_value(want.report)):
+            np.testing.assert_allclose(got.astype(np.float64), ref.astype(np.float64),
+                                       rtol=1e-5, atol=1e-5)
+        for got, ref in zip(runner.read_value(stored), jax.tree.leaves(python_state)):
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    assert np.abs(runner.read_value(stored)[0]).max() > 0  # the control variate moved
+    other = serialization.serialize_value(np.zeros(2, np.float32), fl.TensorType(np.float32, [2]))
+    with pytest.raises(ValueError, match="another task"):
+        runner.run_task_with_state(section, broadcast, data, other)

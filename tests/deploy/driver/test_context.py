@@ -11,6 +11,15 @@ from fedlang import deploy
 from fedlang.core import context
 from fedlang.learning import algorithms, models
 
+from ...learning.test_client_state_algorithms import (
+    COHORTS,
+    assert_close,
+    client_batches,
+    ditto,
+    numpy_ditto,
+    numpy_scaffold,
+    scaffold,
+)
 from ..conftest import POINT, secure_and_plain
 
 SPEC = {"x": (np.float32, [None, 2]), "y": (np.int32, [None])}
@@ -200,3 +209,132 @@ def test_dp_over_secure_aggregation_trains_the_same_weights_as_simulation():
     for a, b in zip(jax.tree.leaves(process.get_model_weights(dep_state)),
                     jax.tree.leaves(process.get_model_weights(sim_state))):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------
+# Client state: kept by each client, never in a report; results equal the paper's
+
+
+def _stateful_rounds(process, name):
+    """Runs the learning tests' cohorts (client data changing per round) on LocalRounds,
+    yielding after each round (the runner, its context's state and metrics)."""
+    runner = _Recording({})
+    state = process.initialize()
+    for round_num, cohort in enumerate(COHORTS):
+        runner.local.clients = {cid: {"train": client_batches(cid, round_num)} for cid in cohort}
+        with context.with_context(deploy.DeploymentContext(runner)):
+            state, metrics, bound = process.next(
+                state, deploy.client_data("train"), deploy.client_state(name))
+        assert bound == deploy.client_state(name)
+        yield runner, state, metrics
+
+
+def test_scaffold_on_clients_equals_the_paper_with_each_control_variate_on_its_client():
+    process = scaffold()
+    rounds = _stateful_rounds(process, "scaffold")
+    for cohort, (x, c, c_i), (runner, state, metrics) in zip(COHORTS, numpy_scaffold(), rounds):
+        assert int(metrics["client_work"]["diagnostics"]["num_clients"]) == len(cohort)
+        weights = process.get_model_weights(state).trainable
+        assert_close(weights["w"], x[0], "x.w")
+        assert_close(weights["b"], x[1], "x.b")
+        assert_close(state.client_work["control_variate"]["w"], c[0], "c.w")
+        for cid, (cw, cb) in c_i.items():
+            assert_close(runner.local.states[cid]["scaffold"]["w"], cw, f"c_{cid}.w")
+            assert_close(runner.local.states[cid]["scaffold"]["b"], cb, f"c_{cid}.b")
+    assert len(runner.plans) == len(COHORTS)  # one round per call, reading and writing
+    plan = runner.plans[-1]
+    assert plan.state.name == "scaffold" and plan.state.writes
+    assert plan.state.state_type == process.client_state.state_type
+    # the report holds the aggregations' partials only; the state is the task's extra output
+    assert len(plan.report_type) == len(plan.aggregations)
+    assert len(plan.task.type_signature.result.member) == len(plan.aggregations) + 1
+    again = deploy.RoundPlan.from_bytes(plan.to_bytes())
+    assert again.state.name == "scaffold" and again.state.state_type == plan.state.state_type
+    for a, b in zip(jax.tree.leaves(again.state.initialize()),
+                    jax.tree.leaves(process.client_state.initial_state())):
+        np.testing.assert_array_equal(a, b)  # a first-seen client starts from c_i = 0
+
+
+def test_ditto_on_clients_equals_the_paper_with_each_personal_model_on_its_client():
+    process = ditto()
+    for (w, v, loss), (runner, state, metrics) in zip(numpy_ditto(), _stateful_rounds(process, "v")):
+        weights = process.get_model_weights(state).trainable
+        assert_close(weights["w"], w[0], "w.w")
+        assert_close(weights["b"], w[1], "w.b")
+        for cid, (vw, vb) in v.items():
+            personal = runner.local.states[cid]["v"].trainable
+            assert_close(personal["w"], vw, f"v_{cid}.w")
+            assert_close(personal["b"], vb, f"v_{cid}.b")
+        assert_close(metrics["client_work"]["personal"]["loss"], loss, "personal loss")
+
+
+def test_client_state_is_passed_only_for_a_declared_state_parameter():
+    with context.with_context(_deployment()), pytest.raises(deploy.DeploymentError, match="with_client_state"):
+        _summary(deploy.client_state("x"), np.float32(1.0))
+    process = scaffold()
+    with context.with_context(_deployment()), pytest.raises(deploy.DeploymentError, match="client_state"):
+        process.next(process.initialize(), deploy.client_data("train"), [])
+    with pytest.raises(ValueError, match="client state name"):
+        deploy.client_state("not a name")
+
+
+_INTS = fl.TensorType(np.int32, [3])
+
+
+@fl.jax_computation()
+def _no_ints():
+    return np.zeros(3, np.int32)
+
+
+@fl.jax_computation(_INTS, _INTS)
+def _add_ints(a, b):
+    return a + b
+
+
+@fl.federated_computation(fl.type_at_clients(_INTS), fl.type_at_clients(_INTS))
+def _secure_counts(x, states):
+    """Each client's state adds up its inputs; the round sums the new states securely."""
+    new = fl.federated_map(_add_ints, fl.federated_zip((states, x)))
+    return fl.federated_secure_sum_bitwidth(new, 8), new
+
+
+secure_counts = fl.with_client_state(_secure_counts, _no_ints, parameter="states", result=1)
+
+
+@fl.federated_computation(fl.type_at_clients(_INTS))
+def _recentred(states):
+    """New states need the sum of the old ones: a second round, on other clients."""
+    total = fl.federated_sum(states)
+    return total, fl.federated_map(_add_ints, fl.federated_zip((states, fl.federated_broadcast(total))))
+
+
+recentred = fl.with_client_state(_recentred, _no_ints, parameter=0, result=1)
+
+
+def test_secure_rounds_keep_each_survivor_s_new_state():
+    @fl.jax_computation(fl.SequenceType(_INTS))
+    def first(ds):
+        return ds.reduce(np.zeros(3, np.int32), lambda s, v: s + v)
+
+    @fl.federated_computation(fl.type_at_clients(fl.SequenceType(_INTS)), fl.type_at_clients(_INTS))
+    def from_data(data, states):
+        return secure_counts(fl.federated_map(first, data), states)
+
+    stateful = fl.with_client_state(from_data, _no_ints, parameter="states", result=1)
+    clients = {f"c{i}": {"d": [np.array([i, 1, 2], np.int32)]} for i in range(4)}
+    runner = deploy.LocalRounds(clients)
+    for round_num in (1, 2):
+        with context.with_context(deploy.DeploymentContext(runner)):
+            total, _ = stateful(deploy.client_data("d"), deploy.client_state("n"))
+        want = round_num * np.array([0 + 1 + 2 + 3, 4, 8])
+        np.testing.assert_array_equal(total, want)  # the secure sum of the new states
+        for i in range(4):
+            np.testing.assert_array_equal(runner.states[f"c{i}"]["n"], round_num * np.array([i, 1, 2]))
+
+
+def test_a_round_reading_states_whose_new_values_need_its_result_is_refused():
+    runner = _Recording({"c": {}})
+    with context.with_context(deploy.DeploymentContext(runner)), \
+            pytest.raises(deploy.DeploymentError, match="another round would write"):
+        recentred(deploy.client_state("n"))
+    assert runner.plans == [] and runner.local.states == {}  # refused before it started

@@ -10,5 +10,6 @@ onnxruntime). See docs/deploy.md, "Browser clients".
 
 from fedlang.deploy.browser.onnx_export import BrowserExportError as BrowserExportError
 from fedlang.deploy.browser.runner import run_task as run_task
+from fedlang.deploy.browser.runner import run_task_with_state as run_task_with_state
 from fedlang.deploy.browser.verify import BrowserTasks as BrowserTasks
 from fedlang.deploy.browser.verify import preflight as preflight

@@ -5,6 +5,11 @@ steps (programs, and loops over the client's batches) on numbered slots, and bui
 report bytes in the binary value format from the description's recipe. It is the
 reference the page's JavaScript is checked against, and lets the description be tested
 without a browser.
+
+A task with client state (the description's `state`) runs with `run_task_with_state`:
+it takes the client's stored state (bytes in the binary value format, or None for the
+description's initial state) and returns the new state beside the report, as the page
+does with the state it keeps in IndexedDB.
 """
 
 from __future__ import annotations
@@ -100,8 +105,28 @@ def _batch_leaf(batch: Any, path: list[Any]) -> Any:
 def run_task(description: dict[str, Any], broadcast: bytes,
              data: Mapping[str, Iterable[Any]]) -> bytes:
     """This client's report (bytes) for a browser task (see the module docstring)."""
+    if "state" in description:
+        raise ValueError("This task keeps client state: run it with run_task_with_state.")
+    return run_task_with_state(description, broadcast, data, None)[0]
+
+
+def run_task_with_state(description: dict[str, Any], broadcast: bytes,
+                        data: Mapping[str, Iterable[Any]],
+                        state: bytes | None) -> tuple[bytes, bytes | None]:
+    """(report, new state) for a browser task; the new state is None when the task
+    keeps no state or does not write it (see the module docstring)."""
     slots: dict[int, np.ndarray] = {}
     info = description["slots"]
+    kept = description.get("state")
+    if kept is not None:
+        stored = read_value(state if state is not None else base64.b64decode(kept["initial"]))
+        if len(stored) != len(kept["inputs"]) or any(
+            x.dtype.name != info[s]["dtype"] or list(x.shape) != info[s]["shape"]
+            for x, s in zip(stored, kept["inputs"])
+        ):
+            raise ValueError(f"Expected the stored client state {kept['name']!r} to match the "
+                             "task's state type, found another; it was written for another task.")
+        slots.update(zip(kept["inputs"], stored))
     for slot, value in zip(description["broadcast"], read_value(broadcast)):
         slots[slot] = value
     for slot, c in description["consts"].items():
@@ -143,4 +168,7 @@ def run_task(description: dict[str, Any], broadcast: bytes,
             out.append((slots[recipe["slot"]].astype(np.float32) * w).astype(dtype))
         else:
             out.append(slots[recipe["slot"]].astype(dtype))
-    return write_value(report["header"], out)
+    new_state = None
+    if kept is not None and kept["outputs"]:
+        new_state = write_value(kept["header"], [slots[s] for s in kept["outputs"]])
+    return write_value(report["header"], out), new_state

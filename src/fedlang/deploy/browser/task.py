@@ -15,7 +15,13 @@ browser needs (`browser_task(plan)`), signed with it:
   report in the binary value format, and per tensor of the report where its values come
   from (`{"slot": s}` converted to the header's dtype, `{"slot": s, "times": w}` the
   float32 product with the weight in slot `w`, as a weighted mean's total, or
-  `{"value": v}` a count of 1 or a "seen" flag).
+  `{"value": v}` a count of 1 or a "seen" flag);
+* `state` (only for a task with client state): `name`, the slots the stored state is
+  fed to (`inputs`, in the value format's order), the slots of the new state
+  (`outputs`, empty when the task does not write it), its `header` in the binary value
+  format and `initial`, a first-seen client's state (that format, base64). The page
+  keeps the state in IndexedDB (`fedlang.js`'s `StateStore`) and replaces it once the
+  server acknowledged the report.
 
 The task's IR is evaluated symbolically: selections and structs only rename slots, a
 call of a lambda is inlined, a call of a JAX local computation becomes a call of one of
@@ -404,6 +410,7 @@ class BrowserTask:
     broadcast: list[int]
     data: dict[str, types.Type]
     report: dict[str, Any]
+    state: dict[str, Any] | None = None
 
     def export(self) -> None:
         for p in self.plan.programs:
@@ -429,6 +436,7 @@ class BrowserTask:
             "programs": {p.name: base64.b64encode(p.onnx).decode() for p in self.plan.programs},
             "run": self.plan.steps,
             "report": self.report,
+            **({"state": self.state} if self.state is not None else {}),
         }
 
 
@@ -458,7 +466,7 @@ def compile_task(round_plan: plan_lib.RoundPlan) -> BrowserTask:
     """
     fn = local_task(round_plan)
     arg_t = cast(types.StructType, fn.parameter_type)
-    data_t, broadcast_t = arg_t.types
+    data_t, broadcast_t = arg_t.types[:2]
     compiler = Compiler()
     datasets = []
     for name, t in cast(types.StructType, data_t).elements:
@@ -467,10 +475,23 @@ def compile_task(round_plan: plan_lib.RoundPlan) -> BrowserTask:
         _leaf_types(t.element, f"client data {name!r}")
         datasets.append(Dataset(cast(str, name), t.element))
     broadcast = compiler.new(broadcast_t, "broadcast")
-    result = compiler.eval(fn.result, {cast(str, fn.parameter_name): (tuple(datasets), broadcast)})
+    arg: tuple[Any, ...] = (tuple(datasets), broadcast)
+    sp = round_plan.state
+    if sp is not None:
+        arg = (*arg, compiler.new(sp.state_type, f"client state {sp.name!r}"))
+    result = compiler.eval(fn.result, {cast(str, fn.parameter_name): arg})
+    state: dict[str, Any] | None = None
+    outputs: list[int] = []
+    if sp is not None:
+        outputs = structure.flatten(result[-1], sp.state_type) if sp.writes else []
+        result = result[:-1] if sp.writes else result
+        initial = serialization.serialize_value(sp.initialize(), sp.state_type)
+        state = {"name": sp.name, "header": _header(sp.state_type),
+                 "inputs": structure.flatten(arg[2], sp.state_type), "outputs": outputs,
+                 "initial": base64.b64encode(initial).decode()}
     leaves, reads = report_recipe(compiler, round_plan, result)
-    plan = Plan(compiler, reads)
+    plan = Plan(compiler, reads + outputs)
     report = {"header": _header(round_plan.report_type), "leaves": leaves}
     return BrowserTask(compiler, plan, structure.flatten(broadcast, broadcast_t),
-                       {d.name: d.element for d in datasets}, report)
+                       {d.name: d.element for d in datasets}, report, state)
 

@@ -17,6 +17,7 @@ before creating a population for browsers.
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
 import dataclasses
@@ -86,6 +87,9 @@ def check(bt: task.BrowserTask, broadcast: bytes | None = None, *,
         avals = [jax.ShapeDtypeStruct(tuple(d or 1 for d in t.shape), t.dtype) for t in leaf_types]
         slots.update(zip(bt.broadcast, onnx_export.random_inputs(avals, {}, rng)))
     slots.update(bt.compiler.consts)
+    if bt.state is not None:  # a first-seen client's state (stored ones have its type)
+        initial = runner.read_value(base64.b64decode(bt.state["initial"]))
+        slots.update(zip(bt.state["inputs"], initial))
     programs = {p.name: p for p in bt.plan.programs}
     with _quiet():
         sessions = {p.name: onnx_export.session(p.onnx) for p in bt.plan.programs}

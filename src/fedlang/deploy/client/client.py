@@ -21,6 +21,16 @@ version: the client verifies the session's plan (`plans.buffered.BufferedPlan`),
 on its data from that version's weights and uploads the raw report for that version; a
 refusal as stale is logged, and the client checks in for the current version.
 
+A task with client state (its plan's `state`, e.g. SCAFFOLD's control variate) runs
+on the client's stored state (`state_dir`, `client.state.DeviceStates`: one file per
+population and state name; a client without one starts from the plan's initial
+state). The new state stays on the device and is committed, by an atomic replace of
+its file, only once the server has acknowledged the report computed with it (in a
+secure round: its masked input): a report refused, a task that fails, or a crash
+before the acknowledgement leave the stored state as it was. A crash between the
+acknowledgement and the replace, or a round that fails after acknowledging the
+report, leave the device one step apart from the server (docs/deploy.md).
+
 A client's data are given by name (`data={"train": ...}`), each as a dataset (any
 iterable of batches of the type the task expects, e.g. a `fedlang.simulation` dataset)
 or as the path of an `.npz` file: its arrays (e.g. `x` and `y`, in the file's order)
@@ -47,6 +57,7 @@ import numpy as np
 from fedlang.core import signing
 from fedlang.deploy import protocol, secagg
 from fedlang.deploy.client import connection as connection_lib
+from fedlang.deploy.client import state as state_lib
 from fedlang.deploy.plans import cache, execution
 from fedlang.deploy.plans import round as plan_lib
 
@@ -147,6 +158,8 @@ class Client:
         the one the server gives at enrollment (trust on first use).
       max_tasks: stop after this many reports (default: run until the population is
         finished or `stop()` is called).
+      state_dir: where this device keeps its client states (needed for tasks with
+        client state; see the module docstring).
       patience: seconds to keep retrying an unreachable server.
       connection: more options of `connection.Connection` (`timeout`, `verify`, `backoff`).
     """
@@ -163,6 +176,7 @@ class Client:
         public_key: bytes | None = None,
         max_tasks: int | None = None,
         patience: float = 300.0,
+        state_dir: str | os.PathLike[str] | None = None,
         **connection: Any,
     ):
         self.connection = connection_lib.Connection(server, patience=patience, **connection)
@@ -175,6 +189,7 @@ class Client:
         self.client_id: str | None = None
         self.credential: str | None = None
         self.tasks_done = 0
+        self.states = state_lib.DeviceStates(state_dir) if state_dir is not None else None
         self._blobs: dict[str, bytes] = {}
         self._plans: cache.VerifiedPlans | None = None
         self._left: set[int] = set()  # secure rounds this client can no longer take part in
@@ -265,15 +280,16 @@ class Client:
         broadcast = self._blob(task["broadcast"])
         if task.get("kind") == protocol.TaskKind.SECURE or round_plan.secure:
             return self._run_secure(task["round"], round_plan, broadcast)
-        report = execution.run_plan(round_plan, broadcast, self.data)
+        parts = self._run_parts(round_plan, broadcast)
         try:
             self._request(
-                "PUT", f"{protocol.API}/rounds/{task['round']}/report", content=report,
+                "PUT", f"{protocol.API}/rounds/{task['round']}/report", content=parts.report,
                 headers={"Content-Type": protocol.BINARY},
             )
         except (protocol.Gone, protocol.Conflict, protocol.Forbidden) as e:
             log.warning("report for round %s refused: %s", task["round"], e)
             return False
+        self._commit_state(round_plan, parts)
         self.tasks_done += 1
         log.info("reported for round %s", task["round"])
         return True
@@ -318,7 +334,7 @@ class Client:
             stage, request = int(step["stage"]), base64.b64decode(step["request"])
             try:
                 if stage == secagg.Stage.ADVERTISE_KEYS:
-                    parts = execution.run_plan_parts(round_plan, broadcast, self.data)
+                    parts = self._run_parts(round_plan, broadcast)
                     assert self.client_id is not None  # set at enrollment
                     sa = secagg.SecAggClient(self.client_id, request)
                     message = sa.advertise_keys()
@@ -346,6 +362,8 @@ class Client:
                     protocol.BadRequest) as e:
                 log.warning("round %s: stage %s answer refused: %s", round_id, stage, e)
                 break
+            if stage == secagg.Stage.MASKED_INPUT and parts is not None:
+                self._commit_state(round_plan, parts)  # its input is in the round now
             counted = counted or stage == secagg.Stage.MASKED_INPUT
             log.info("round %s: answered stage %s", round_id, stage)
         if not counted:
@@ -353,6 +371,27 @@ class Client:
             return False
         self.tasks_done += 1
         return True
+
+    # -- client state (kept on this device)
+
+    def _run_parts(self, round_plan: plan_lib.RoundPlan, broadcast: bytes) -> execution.ClientReport:
+        """Runs the task on this client's data (and stored state, if the plan has one)."""
+        if round_plan.state is None:
+            return execution.run_plan_parts(round_plan, broadcast, self.data)
+        if self.states is None:
+            raise state_lib.StateFileError(
+                f"This task keeps client state {round_plan.state.name!r} on the device, but "
+                "the client has no state directory; start it with state_dir=... (--state-dir DIR)."
+            )
+        sp = round_plan.state
+        stored = self.states.read(self.population, sp.name, sp.state_type)
+        return execution.run_plan_parts(round_plan, broadcast, self.data, state=stored)
+
+    def _commit_state(self, round_plan: plan_lib.RoundPlan, parts: execution.ClientReport) -> None:
+        """Keeps the task's new state, once the server holds the report made with it."""
+        sp = round_plan.state
+        if sp is not None and sp.writes and self.states is not None:
+            self.states.commit(self.population, sp.name, sp.state_type, parts.state)
 
     def _blob(self, h: str) -> bytes:
         if h not in self._blobs:

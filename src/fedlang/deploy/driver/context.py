@@ -10,6 +10,14 @@ work between waves (e.g. applying the server optimizer) runs here, in the driver
 
 Arguments placed at CLIENTS are references to the clients' own data by name
 (`client_data("train")`); each client resolves the name to its local dataset.
+
+Client state (a computation declared with `fl.with_client_state`) is bound the same
+way, by name: `client_state("c_i")` in place of the cohort's states. The binding names
+the state and holds none of it: the state parameter becomes an input of the client
+task that each device reads from its own storage, and the new-state result an output
+of the task that the device keeps (`plans.round.StatePlan`), so the server never sees a
+state. The invocation returns the binding in place of the new states, as the other
+runtimes return theirs.
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
+from fedlang.core import client_state as client_state_lib
 from fedlang.core import context as core_context
 from fedlang.core import intrinsic_defs, intrinsics, serialization, signing, structure, types
 from fedlang.deploy import secagg
@@ -49,6 +58,31 @@ def client_data(name: str) -> ClientDataRef:
 
 
 @dataclasses.dataclass(frozen=True)
+class ClientStateRef:
+    """The clients' own client state called `name` (see `client_state`)."""
+
+    name: str
+
+
+def client_state(name: str) -> ClientStateRef:
+    """A `{S}@CLIENTS` argument meaning "each client's own state `name`, kept on it".
+
+    Pass it for the client-state parameter of a computation declared with
+    `fl.with_client_state` (e.g. `process.next(state, client_data("train"),
+    client_state("scaffold"))`). Each device keeps its state under this name (one per
+    population), starts from the computation's initial state the first time, and keeps
+    the new state after each task; the driver and the server never hold it.
+
+    Example:
+      >>> client_state("scaffold")
+      ClientStateRef(name='scaffold')
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"Expected a client state name such as 'scaffold', found {name!r}.")
+    return ClientStateRef(name)
+
+
+@dataclasses.dataclass(frozen=True)
 class RoundResult:
     """What a round returned: the aggregate (bytes, see `folding.Folder`) and counts."""
 
@@ -74,6 +108,11 @@ class LocalRounds:
     path without the network: for trying a deployment on one machine and for checking it
     against the simulation runtime.
 
+    A round with client state gives each client its own state (kept here per client
+    id, as each device keeps its own) and keeps a contributor's new state once its
+    report is folded; a client that did not contribute keeps its old state. `clients`
+    may be replaced between rounds (a cohort per round): states stay with the ids.
+
     Args:
       clients: client id -> that client's datasets by name.
       secagg_threshold, secagg_degree: the secure aggregation's threshold and neighbour
@@ -89,6 +128,7 @@ class LocalRounds:
         self.clients = dict(clients)
         self.secagg_threshold, self.secagg_degree = secagg_threshold, secagg_degree
         self._key = signing.generate_key()
+        self.states: dict[str, dict[str, Any]] = {}
 
     def run_round(self, plan: plan_lib.RoundPlan, broadcast: bytes) -> RoundResult:
         start = time.perf_counter()
@@ -98,8 +138,11 @@ class LocalRounds:
         verified = execution.load_plan(signed, self._key.public_key())
         folder = folding.Folder(plan)
         aggregate = folder.empty()
+        sp = plan.state
         parts = {
-            cid: execution.run_plan_parts(verified, broadcast, data)
+            cid: execution.run_plan_parts(
+                verified, broadcast, data,
+                state=None if sp is None else self.states.get(cid, {}).get(sp.name))
             for cid, data in self.clients.items()
         }
         contributors = list(parts)
@@ -116,6 +159,8 @@ class LocalRounds:
             aggregate = folder.fold_secure(aggregate, secure.sum, len(contributors))
         for cid in contributors:
             aggregate = folder.fold(aggregate, folder.check(parts[cid].report))
+            if sp is not None and sp.writes:
+                self.states.setdefault(cid, {})[sp.name] = parts[cid].state
         return RoundResult(aggregate, len(contributors), time.perf_counter() - start, details)
 
 
@@ -125,9 +170,19 @@ class _DeploymentRun(simulation.Run):
     def __init__(self, ctx: DeploymentContext):
         super().__init__(ctx, None)  # type: ignore[arg-type]
         self.deployment = ctx
+        # (the aggregation "writing" the new client states, the state it writes)
+        self.state_write: tuple[simulation.AggThunk, plan_lib.StateSource] | None = None
 
     def compute_wave(self, wave: list[simulation.AggThunk]) -> list[Any]:
-        round_plan, broadcast = plan_lib.build(wave)
+        round_plan, broadcast = plan_lib.build(wave, self.state_write)
+        write = self.state_write[0] if self.state_write is not None else None
+        if write is not None and write not in wave and not write.done and round_plan.state:
+            raise plan_lib.DeploymentError(
+                "A round reads the client state but another round would write its new "
+                "values (they depend on a value the server computes after this round), and "
+                "each round runs on its own clients. Compute the new states in the client "
+                "work whose results this round aggregates."
+            )
         broadcast_bytes = serialization.serialize_value(
             structure.to_python(broadcast, round_plan.broadcast_type), round_plan.broadcast_type
         )
@@ -135,7 +190,11 @@ class _DeploymentRun(simulation.Run):
             round_plan = self.deployment.browser(round_plan, broadcast_bytes)
         result = self.deployment.runner.run_round(round_plan, broadcast_bytes)
         self.deployment.rounds.append(result)
-        return folding.Folder(round_plan).results(result.aggregate)
+        results = list(folding.Folder(round_plan).results(result.aggregate))
+        for i, a in enumerate(wave):
+            if self.state_write is not None and a is self.state_write[0]:
+                results.insert(i, result.reports)  # the states stayed on the clients
+        return results
 
 
 class DeploymentContext:
@@ -190,17 +249,55 @@ class DeploymentContext:
     def invoke(self, comp: Any, arg: Any) -> Any:
         reference.check_runtime_supports(self, comp)
         t = comp.type_signature
-        if types.contains_federated(t.result) and _places_at_clients(t.result):
+        spec = client_state_lib.spec_of(comp)
+        ref = _state_ref(comp, arg, spec)
+        returned = t.result
+        if ref is not None:
+            assert spec is not None
+            returned = types.StructType(
+                [e for i, e in enumerate(cast(types.StructType, t.result).elements)
+                 if i != spec.result])
+        if types.contains_federated(returned) and _places_at_clients(returned):
             raise plan_lib.DeploymentError(
                 f"{comp.name} returns {t.result}; a value placed at CLIENTS cannot be returned "
-                "from real clients. Aggregate it before returning it."
+                "from real clients. Aggregate it before returning it"
+                + (" (or declare client state with fl.with_client_state and pass "
+                   "fedlang.deploy.client_state(name) for it)." if ref is None else ".")
             )
         run = _DeploymentRun(self)
-        internal = _to_lazy(arg, t.parameter, "")
+        sources: list[plan_lib.StateSource] = []
+        internal = _to_lazy(arg, t.parameter, "", spec, sources)
         node = comp.to_ir()
         fn = run.eval(node, {}) if hasattr(node, "parameter_name") else node.computation
         result = run.call(fn, internal)
-        return reference.to_python(_force(result), t.result)
+        if ref is None:
+            return reference.to_python(_force(result), t.result)
+        assert spec is not None
+        result_t = cast(types.StructType, t.result)
+        # Shallow: forcing the other fields now would run their rounds without the write.
+        fields = list(result.get() if isinstance(result, lazy.Thunk) else result)
+        write = simulation.AggThunk(run, fields[spec.result], _no_accumulator)
+        run.state_write = (write, sources[0])
+        fields[spec.result] = write
+        forced = list(_force(tuple(fields)))
+        forced[spec.result] = []  # the new states stayed on the devices
+        out = reference.to_python(tuple(forced), result_t)
+        return client_state_lib.replace_result(out, result_t, spec.result, ref)
+
+
+def _no_accumulator() -> Any:
+    raise AssertionError("a deployment's state write runs on the devices, never here")
+
+
+def _state_ref(
+    comp: Any, arg: Any, spec: client_state_lib.ClientStateSpec | None
+) -> ClientStateRef | None:
+    """The `client_state(name)` passed for `comp`'s declared state parameter, or None."""
+    if spec is None:
+        return None
+    value = arg if len(comp.parameter_names) <= 1 else (
+        arg[spec.parameter] if isinstance(arg, tuple | list) else None)
+    return value if isinstance(value, ClientStateRef) else None
 
 
 # Intrinsics the simulation runtime's strategies already run as the deployment needs:
@@ -230,23 +327,45 @@ def _places_at_clients(t: types.Type) -> bool:
     return False
 
 
-def _to_lazy(value: Any, t: types.Type | None, path: str) -> Any:
-    """The driver's argument in the lazy form: CLIENTS data become `DataSource`s."""
+def _to_lazy(
+    value: Any,
+    t: types.Type | None,
+    path: str,
+    spec: client_state_lib.ClientStateSpec | None = None,
+    sources: list[plan_lib.StateSource] | None = None,
+) -> Any:
+    """The driver's argument in the lazy form: CLIENTS data become `DataSource`s, a
+    `client_state(name)` a `StateSource` (recorded in `sources`)."""
     if t is None:
         return None
     if isinstance(t, types.FederatedType) and t.placement is CLIENTS:
         if t.all_equal:
             return lazy.Replicated(structure.to_internal(value, t.member, path), t.member)
+        if isinstance(value, ClientStateRef):
+            if spec is None or not (spec.state_type.is_assignable_from(t.member)
+                                    and t.member.is_assignable_from(spec.state_type)):
+                raise plan_lib.DeploymentError(
+                    f"{path or 'The argument'} of type {t} was given client_state("
+                    f"{value.name!r}); client state is passed for the state parameter of a "
+                    "computation declared with fl.with_client_state (which gives the initial "
+                    "state of a client seen for the first time)."
+                )
+            source = plan_lib.StateSource(value.name, t.member, spec.initialize)
+            if sources is not None:
+                sources.append(source)
+            return source
         if not isinstance(value, ClientDataRef):
             raise plan_lib.DeploymentError(
                 f"Expected {path or 'the argument'} of type {t} to be "
-                "fedlang.deploy.client_data(name), a reference to each client's own data, found "
-                f"{types.describe(value)}. Real clients hold their data; the driver cannot pass it."
+                "fedlang.deploy.client_data(name), a reference to each client's own data "
+                "(or fedlang.deploy.client_state(name) for client state), found "
+                f"{types.describe(value)}. Real clients hold their data and state; the "
+                "driver cannot pass them."
             )
         return plan_lib.DataSource(value.name, t.member)
     if isinstance(t, types.StructType) and types.contains_federated(t):
         return tuple(
-            _to_lazy(v, et, f"{path}{structure.field_path(n, i)}")
+            _to_lazy(v, et, f"{path}{structure.field_path(n, i)}", spec, sources)
             for i, (n, et, v) in enumerate(structure.match_fields(value, t, path))
         )
     return reference.to_internal(value, t, None, path)

@@ -5,6 +5,11 @@ simulation runtime, the same local execution as in simulations (so a client whos
 exceed memory streams it). The client then folds what it feeds each aggregation into
 that aggregation's accumulator and reports the partials, so the server only ever merges
 pre-aggregated values.
+
+A task with client state (`plan.state`) also takes the client's state (its stored one,
+or the plan's initial state for a client seen for the first time) and, when it writes
+the state, gives the new one back in `ClientReport.state`, never in the report: the
+caller keeps it (and decides when to commit it, see `fedlang.deploy.client.state`).
 """
 
 from __future__ import annotations
@@ -41,10 +46,13 @@ class ClientReport:
         per secure tensor, already reduced into the protocol's group (`secure_segments`
         order); empty when the round has no secure aggregation. They are only ever sent
         masked (`fedlang.deploy.secagg`).
+      state: the client's new state (a Python value of `plan.state.state_type`) when
+        the task writes client state, else None. It stays on the client.
     """
 
     report: bytes
     secure: list[np.ndarray]
+    state: Any = None
 
 
 def run_plan_parts(
@@ -52,6 +60,7 @@ def run_plan_parts(
     broadcast: bytes,
     data: Mapping[str, Any],
     context: simulation.SimulationContext | None = None,
+    state: Any = None,
 ) -> ClientReport:
     """This client's contribution to a round (see `ClientReport`).
 
@@ -61,6 +70,9 @@ def run_plan_parts(
       data: the client's own datasets by name (each an iterable of batches of the type
         the task expects, e.g. a `fedlang.simulation.Dataset`).
       context: the runtime to run the task on (default: a simulation context).
+      state: for a plan with client state, this client's stored state (a Python value
+        of `plan.state.state_type`), or None for a client without one: it starts from
+        the plan's initial state. Ignored for plans without client state.
 
     Raises:
       KeyError: if the task reads a dataset the client does not have.
@@ -75,10 +87,20 @@ def run_plan_parts(
     value = serialization.deserialize_value(broadcast, expected_type=plan.broadcast_type)
     own = {name: data[name] for name in plan.data_names}
     ctx = context or simulation.SimulationContext(chunk_size=1)
+    new_state = None
     with ctx:
-        (inputs,) = ctx.invoke(plan.task, ([own], value))
+        if plan.state is None:
+            (inputs,) = ctx.invoke(plan.task, ([own], value))
+        else:
+            if state is None:
+                state = ctx.invoke(plan.state.initialize, None)
+            (inputs,) = ctx.invoke(plan.task, ([own], value, [state]))
+    outputs = structure.to_internal(inputs, _inputs_type(plan))
+    if plan.state is not None and plan.state.writes:
+        new_state = structure.to_python(outputs[-1], plan.state.state_type)
+        outputs = outputs[:-1]
     partials, secure = [], []
-    for agg, x in zip(plan.aggregations, structure.to_internal(inputs, _inputs_type(plan))):
+    for agg, x in zip(plan.aggregations, outputs):
         acc = agg.make()
         if agg.is_secure:
             # Wrapped into the input group as the intrinsic defines; only masked from here.
@@ -91,7 +113,7 @@ def run_plan_parts(
         partials.append(acc.partial())
     report_t = plan.report_type
     report = serialization.serialize_value(structure.to_python(tuple(partials), report_t), report_t)
-    return ClientReport(report, secure)
+    return ClientReport(report, secure, new_state)
 
 
 def run_plan(
@@ -110,6 +132,11 @@ def run_plan(
         raise ValueError(
             "This round has secure aggregations: its inputs must go through SecAgg+ "
             "(run_plan_parts gives them), never in a plain report."
+        )
+    if plan.state is not None:
+        raise ValueError(
+            "This round's task keeps client state: use run_plan_parts, which takes the "
+            "client's state and gives its new one (to keep on the client)."
         )
     return run_plan_parts(plan, broadcast, data, context).report
 

@@ -13,6 +13,13 @@ does (lazily, aggregations in waves); each wave becomes a round on real clients.
   server arguments (`federated_aggregate`'s zero and functions, a secure sum's bounds).
 * `browser` (optional): what browser clients run instead of the StableHLO task (ONNX
   programs and a JSON description, `fedlang.deploy.browser`), signed with the plan.
+* `state` (optional, `StatePlan`): the client state the task reads and writes, for a
+  computation declared with `with_client_state` and given `client_state(name)`. The
+  task then takes `<data,broadcast,state=S>` and, when it writes the state, returns the
+  new state `S'` as the last field after the aggregation inputs. The plan carries the
+  state's name, type and the computation `( -> S)` of a client seen for the first
+  time; the device reads its state before the task and keeps `S'` itself: the state
+  is never in a report (docs/learning.md, "Client state").
 
 A client runs the task on its own data, folds each `x_i` into its aggregation's
 accumulator (`runtime.accumulate`) and reports the partials; the server merges the
@@ -54,6 +61,58 @@ class DataSource(lazy.ClientsValue):
         raise DeploymentError(
             f"Client data {self.name!r} lives on the clients; the server cannot read it."
         )
+
+
+class StateSource(lazy.ClientsValue):
+    """The clients' own state `name` (a `client_state(name)` argument), of type `member`;
+    `initialize` (`( -> member)`) gives a client seen for the first time its state."""
+
+    def __init__(self, name: str, member: types.Type, initialize: computation.Computation):
+        self.name = name
+        self.member = member
+        self.initialize = initialize
+
+    def _chunk(self, start: int, stop: int, cache: dict[int, Any]) -> Any:
+        raise DeploymentError(
+            f"Client state {self.name!r} lives on the clients; the server cannot read it."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePlan:
+    """The client state a round's task reads (and writes, when `writes`).
+
+    Attributes:
+      name: the state's key on each device (one per population and name).
+      state_type: `S`, one client's state.
+      initialize: a local computation `( -> S)`: the state of a first-seen client.
+      writes: whether the task returns the new state (as its last output).
+    """
+
+    name: str
+    state_type: types.Type
+    initialize: computation.Computation
+    writes: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "type": b64(serialization.serialize_type(self.state_type)),
+            "initialize": b64(self.initialize.to_bytes()),
+            "writes": self.writes,
+        }
+
+    @staticmethod
+    def from_json(doc: Any) -> StatePlan:
+        name, writes = doc["name"], doc["writes"]
+        if not (isinstance(name, str) and name.isidentifier() and isinstance(writes, bool)):
+            raise serialization.malformed("a state section (name, writes)", repr(doc)[:60])
+        state_t = serialization.deserialize_type(unb64(doc["type"]))
+        init = serialization.deserialize_computation(unb64(doc["initialize"]), trusted=True)
+        init_t = init.type_signature
+        if init_t.parameter is not None or not state_t.is_assignable_from(init_t.result):
+            raise serialization.malformed(f"an initial state computation ( -> {state_t})", init_t)
+        return StatePlan(name, state_t, init, writes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +171,7 @@ class RoundPlan:
     broadcast_type: types.Type
     aggregations: tuple[AggregationPlan, ...]
     browser: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
+    state: StatePlan | None = None
 
     @property
     def aggregate_type(self) -> types.StructType:
@@ -156,6 +216,8 @@ class RoundPlan:
         }
         if self.browser is not None:  # only then: plans for Python clients are unchanged
             doc["browser"] = self.browser
+        if self.state is not None:  # likewise: plans without client state are unchanged
+            doc["state"] = self.state.to_json()
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @staticmethod
@@ -181,11 +243,12 @@ class RoundPlan:
             browser = doc.get("browser")
             if browser is not None and not isinstance(browser, dict):
                 raise serialization.malformed("a browser section (an object)", repr(browser)[:60])
+            state = None if doc.get("state") is None else StatePlan.from_json(doc["state"])
         except serialization.SerializationError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise serialization.malformed("a round plan", f"{type(e).__name__}: {e}") from e
-        return RoundPlan(task, tuple(names), broadcast_t, aggregations, browser)
+        return RoundPlan(task, tuple(names), broadcast_t, aggregations, browser, state)
 
 
 def b64(data: bytes) -> str:
@@ -252,6 +315,7 @@ class _TaskBuilder:
 
     def __init__(self) -> None:
         self.data: dict[str, types.Type] = {}
+        self.state: StateSource | None = None
         self.broadcasts: list[tuple[Any, types.Type]] = []  # (server value, type)
         self._broadcast_index: dict[int, int] = {}
         self.locals: list[tuple[str, ir.Node]] = []
@@ -267,6 +331,13 @@ class _TaskBuilder:
                 raise DeploymentError(
                     f"Client data {cv.name!r} is used with two types, {previous} and {cv.member}."
                 )
+        elif isinstance(cv, StateSource):
+            if self.state is not None and self.state.name != cv.name:
+                raise DeploymentError(
+                    f"A round reads two client states, {self.state.name!r} and {cv.name!r}; "
+                    "keep one state per computation (a struct of both)."
+                )
+            self.state = cv
         elif isinstance(cv, lazy.Replicated):
             if id(cv) not in self._broadcast_index:
                 self._broadcast_index[id(cv)] = len(self.broadcasts)
@@ -284,15 +355,13 @@ class _TaskBuilder:
     @property
     def arg(self) -> ir.Reference:
         if self._arg is None:
-            self._arg = ir.Reference(
-                "arg",
-                types.StructType(
-                    [
-                        ("data", types.StructType(list(self.data.items()))),
-                        ("broadcast", types.StructType([t for _, t in self.broadcasts])),
-                    ]
-                ),
-            )
+            fields: list[tuple[str, types.Type]] = [
+                ("data", types.StructType(list(self.data.items()))),
+                ("broadcast", types.StructType([t for _, t in self.broadcasts])),
+            ]
+            if self.state is not None:
+                fields.append(("state", self.state.member))
+            self._arg = ir.Reference("arg", types.StructType(fields))
         return self._arg
 
     def node(self, cv: Any) -> ir.Node:
@@ -309,6 +378,8 @@ class _TaskBuilder:
     def _build(self, cv: Any) -> ir.Node:
         if isinstance(cv, DataSource):
             return ir.Selection(ir.Selection(self.arg, "data"), cv.name)
+        if isinstance(cv, StateSource):
+            return ir.Selection(self.arg, "state")
         if isinstance(cv, lazy.Replicated):
             index = self._broadcast_index[id(cv)]
             return ir.Selection(ir.Selection(self.arg, "broadcast"), index)
@@ -343,18 +414,29 @@ def _function_node(fn: Any) -> ir.Node:
     return ir.Local(fn)
 
 
-def build(aggregations: list[Any]) -> tuple[RoundPlan, Any]:
+def build(
+    aggregations: list[Any], state_write: tuple[Any, StateSource] | None = None
+) -> tuple[RoundPlan, Any]:
     """The plan of a wave, and the broadcast value (a tuple, internal form).
 
     Args:
       aggregations: the wave's `simulation.AggThunk`s, whose server inputs are computed.
+      state_write: `(thunk, source)` when the invocation writes client state: the
+        `AggThunk` whose input is the new state (it becomes the task's last output, kept
+        on the device, when it is in this wave) and the state it writes.
 
     Raises:
       DeploymentError: naming what cannot run on real clients.
     """
     builder = _TaskBuilder()
     plans = []
+    writes = None
     for a in aggregations:
+        if state_write is not None and a is state_write[0]:
+            writes = a
+            builder.collect(state_write[1])
+            builder.collect(a.input)
+            continue
         if a.spec is None:
             raise DeploymentError(
                 "A result placed at CLIENTS cannot be returned from real clients (they would "
@@ -364,25 +446,48 @@ def build(aggregations: list[Any]) -> tuple[RoundPlan, Any]:
         d, parameter_t, server_args = a.spec
         plans.append(AggregationPlan(d.uri, parameter_t, tuple(lazy.force(server_args))))
         builder.collect(a.input)
-    outputs = [builder.node(a.input) for a in aggregations]
+    outputs = [builder.node(a.input) for a in aggregations if a is not writes]
+    if writes is not None:
+        outputs.append(builder.node(writes.input))
     arg_t = cast(types.StructType, builder.arg.type_signature)
     body = ir.Block(builder.locals, ir.Struct([(None, o) for o in outputs]))
     local_task = computation.IRComputation(ir.Lambda("arg", arg_t, body), "client_task")
-    data_t, broadcast_t = (cast(types.StructType, t) for t in arg_t.types)
-    task = _federated_task(local_task, data_t, broadcast_t)
-    plan = RoundPlan(task, tuple(builder.data), broadcast_t, tuple(plans))
+    task = _federated_task(local_task, arg_t)
+    state = None
+    if builder.state is not None:
+        source = builder.state
+        state = StatePlan(source.name, source.member, source.initialize, writes is not None)
+    broadcast_t = cast(types.StructType, arg_t.types[1])
+    plan = RoundPlan(task, tuple(builder.data), broadcast_t, tuple(plans), state=state)
     return plan, tuple(v for v, _ in builder.broadcasts)
 
 
 def _federated_task(
-    local_task: computation.Computation, data_t: types.StructType, broadcast_t: types.StructType
+    local_task: computation.Computation, arg_t: types.StructType
 ) -> computation.Computation:
-    def client_task(data: Any, broadcast: Any) -> Any:
-        both = ops.federated_zip({"data": data, "broadcast": ops.federated_broadcast(broadcast)})
-        return ops.federated_map(local_task, both)
+    data_t, broadcast_t = arg_t.types[:2]
+    if len(arg_t) == 2:
+        def client_task(data: Any, broadcast: Any) -> Any:
+            both = ops.federated_zip(
+                {"data": data, "broadcast": ops.federated_broadcast(broadcast)})
+            return ops.federated_map(local_task, both)
+
+        return tracing.trace(
+            client_task,
+            (types.FederatedType(data_t, types.CLIENTS),
+             types.FederatedType(broadcast_t, types.SERVER)),
+            name="client_task",
+        )
+
+    def stateful_task(data: Any, broadcast: Any, state: Any) -> Any:
+        every = ops.federated_zip(
+            {"data": data, "broadcast": ops.federated_broadcast(broadcast), "state": state})
+        return ops.federated_map(local_task, every)
 
     return tracing.trace(
-        client_task,
-        (types.FederatedType(data_t, types.CLIENTS), types.FederatedType(broadcast_t, types.SERVER)),
+        stateful_task,
+        (types.FederatedType(data_t, types.CLIENTS),
+         types.FederatedType(broadcast_t, types.SERVER),
+         types.FederatedType(arg_t.types[2], types.CLIENTS)),
         name="client_task",
     )

@@ -299,10 +299,27 @@ export class BrowserTask {
     return task;
   }
 
-  // Runs the task on the broadcast value and the page's datasets; returns the report.
-  async run(broadcastBytes, data, onStep = () => {}) {
+  // Runs the task on the broadcast value and the page's datasets; returns the report. A
+  // task with client state starts from `stateBytes` (the stored state in the binary
+  // value format; null: the task's initial state) and leaves the new state, in the same
+  // format, in `this.newState` (null when the task does not write it).
+  async run(broadcastBytes, data, onStep = () => {}, stateBytes = null) {
     const d = this.description;
     const slots = new Map();
+    this.newState = null;
+    if (d.state) {
+      const stored = readValue(stateBytes || fromBase64(d.state.initial));
+      const fits = stored.length === d.state.inputs.length && stored.every((t, i) => {
+        const want = d.slots[d.state.inputs[i]];
+        return t.dtype === want.dtype && JSON.stringify(t.shape) === JSON.stringify(want.shape);
+      });
+      if (!fits) {
+        throw new FedlangError(`Expected the stored client state "${d.state.name}" to match the ` +
+          "task's state type, found another; it was written for another task (clear this " +
+          "site's IndexedDB to start from the initial state).");
+      }
+      d.state.inputs.forEach((slot, i) => slots.set(slot, stored[i]));
+    }
     const received = readValue(broadcastBytes);
     if (received.length !== d.broadcast.length) {
       throw new FedlangError(`Expected a broadcast of ${d.broadcast.length} tensors, found ${received.length}.`);
@@ -344,6 +361,9 @@ export class BrowserTask {
         done += 1;
         onStep({ dataset: step.dataset, batches: done });
       }
+    }
+    if (d.state && d.state.outputs.length) {
+      this.newState = writeValue(d.state.header, d.state.outputs.map((slot) => slots.get(slot)));
     }
     return this.report(slots);
   }
@@ -389,6 +409,53 @@ export class BrowserTask {
 }
 
 // ---------------------------------------------------------------------------
+// Client states, kept in IndexedDB
+
+// One record per population and state name: the state's bytes in the binary value
+// format. A put is one IndexedDB transaction (all or nothing), made once the server
+// acknowledged the report computed with the state.
+export class StateStore {
+  constructor(name = "fedlang-client-state") {
+    this.name = name;
+    this.db = null;
+  }
+
+  async open() {
+    if (!this.db) {
+      this.db = await new Promise((resolve, reject) => {
+        const request = indexedDB.open(this.name, 1);
+        request.onupgradeneeded = () => request.result.createObjectStore("states");
+        request.onsuccess = () => resolve(request.result);
+        request.onerror = () => reject(new FedlangError(
+          `Expected to open the IndexedDB database "${this.name}" for client state, found ` +
+          `${request.error}; allow this site to store data.`));
+      });
+    }
+    return this.db;
+  }
+
+  async get(key) {
+    const db = await this.open();
+    return new Promise((resolve, reject) => {
+      const request = db.transaction("states", "readonly").objectStore("states").get(key);
+      request.onsuccess = () => resolve(request.result ? new Uint8Array(request.result) : null);
+      request.onerror = () => reject(request.error);
+    });
+  }
+
+  async put(key, bytes) {
+    const db = await this.open();
+    return new Promise((resolve, reject) => {
+      const tx = db.transaction("states", "readwrite", { durability: "strict" });
+      tx.objectStore("states").put(bytes, key);
+      tx.oncomplete = () => resolve();
+      tx.onerror = () => reject(tx.error);
+      tx.onabort = () => reject(tx.error);
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------
 // The client
 
 function sleep(seconds, signal) {
@@ -404,9 +471,11 @@ export class FedlangClient {
   // server: the task store's URL (default: this page's origin); population, token: the
   // population and its enrollment token; data: {name: array of batches}; publicKey: the
   // server's key (base64) if pinned in advance; credential: {client_id, credential,
-  // public_key} from an earlier enrollment; onEvent: called with progress events.
+  // public_key} from an earlier enrollment; onEvent: called with progress events;
+  // stateDatabase: the IndexedDB database keeping this client's client states.
   constructor({ server = location.origin, population, token = null, data = {}, publicKey = null,
-                credential = null, onEvent = () => {}, backoff = [0.2, 10], patience = 300 } = {}) {
+                credential = null, onEvent = () => {}, backoff = [0.2, 10], patience = 300,
+                stateDatabase = "fedlang-client-state" } = {}) {
     this.server = server.replace(/\/$/, "");
     this.population = population;
     this.token = token;
@@ -423,6 +492,7 @@ export class FedlangClient {
     this.blobs = new Map();
     this.tasks = new Map();
     this.stopper = new AbortController();
+    this.states = new StateStore(stateDatabase);
     if (credential) {
       this.pin(fromBase64(credential.public_key));
       this.clientId = credential.client_id;
@@ -552,8 +622,12 @@ export class FedlangClient {
     const started = performance.now();
     const browserTask = await this.task(task.plan);
     const broadcast = await this.blob(task.broadcast);
+    const kept = browserTask.description.state;
+    const stateKey = kept ? `${this.population}/${kept.name}` : null;
+    const stored = kept ? await this.states.get(stateKey) : null;
     const report = await browserTask.run(broadcast, this.data,
-      (progress) => this.emit("step", { round: task.round, ...progress }));
+      (progress) => this.emit("step", { round: task.round, ...progress }), stored);
+    const newState = browserTask.newState;
     this.lastTask = task;
     this.lastReport = report;
     try {
@@ -566,6 +640,10 @@ export class FedlangClient {
         return false;
       }
       throw e;
+    }
+    if (newState) {  // the server holds the report: keep the state it was computed with
+      await this.states.put(stateKey, newState);
+      this.emit("state", { round: task.round, name: kept.name, bytes: newState.length });
     }
     this.tasksDone += 1;
     this.emit("report", { round: task.round, bytes: report.length, report, plan: task.plan,
