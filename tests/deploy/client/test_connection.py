@@ -60,3 +60,16 @@ def test_no_patience_gives_up_after_one_try():
             c.request("GET", "/v1/status")
         c.close()
         assert t.waits == []
+
+
+def test_a_thousand_retries_do_not_overflow_the_backoff():
+    # first * 2**attempt overflowed a float past attempt 1023 and crashed a patient client
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        t = FakeTime()
+        c = connection.Connection(f"http://127.0.0.1:{closed.getsockname()[1]}", patience=1500.0,
+                                  backoff=(1e-3, 2.0), sleep=t.sleep, clock=t.clock)
+        with pytest.raises(connection.ServerUnavailable, match="patience 1500 s"):
+            c.request("GET", "/v1/status")
+        c.close()
+        assert len(t.waits) > 1100

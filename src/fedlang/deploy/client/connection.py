@@ -125,7 +125,8 @@ class Connection:
                 )
             first, largest = self.backoff
             # the last wait ends at the deadline, so `patience` is the seconds it retries
-            self.sleep(min(left, self._rng.uniform(0, min(largest, first * 2**attempt))))
+            grown = first * 2.0 ** min(attempt, 64)  # capped: 2**1024 would overflow a float
+            self.sleep(min(left, self._rng.uniform(0, min(largest, grown))))
             attempt += 1
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
