@@ -82,7 +82,8 @@ def _age_s(path: pathlib.Path) -> float:
         return 0.0
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
+def fsync_dir(path: pathlib.Path) -> None:
+    """Makes a rename or a new file in directory `path` durable (where the file system can)."""
     with contextlib.suppress(OSError):  # not every file system can sync a directory
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -121,11 +122,11 @@ def commit(tmp: pathlib.Path, target: pathlib.Path) -> None:
             if not target.exists():  # put the previous directory back, then report
                 old.rename(target)
             raise
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
 
 
 def recover(target: pathlib.Path) -> None:
@@ -151,7 +152,7 @@ def recover(target: pathlib.Path) -> None:
             break  # read-only, or another process got there first: leave it
         finally:
             os.close(fd)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     if target.exists():
         for old in _siblings(target, "old").values():
             shutil.rmtree(old, ignore_errors=True)

@@ -58,6 +58,7 @@ import jax
 import numpy as np
 
 from fedlang.core import serialization
+from fedlang.simulation import _atomic_dir
 
 MAGIC = b"FLCKPT\x00\x01"
 SUFFIX = ".fedlckpt"
@@ -147,19 +148,6 @@ def _encode(round_num: int, state: Any, fp: str, config: Mapping[str, Any] | Non
     return prefix, serialization.serialize_value(leaves)
 
 
-def _fsync_dir(directory: pathlib.Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some platforms cannot open directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save(directory: str | os.PathLike, round_num: int, state: Any, *, fingerprint: str,
          config: Mapping[str, Any] | None = None, driver_state: Mapping[str, Any] | None = None,
          keep: int = 2) -> pathlib.Path:
@@ -194,7 +182,7 @@ def save(directory: str | os.PathLike, round_num: int, state: Any, *, fingerprin
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(directory)
+    _atomic_dir.fsync_dir(directory)
     for old in checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
     for stale in directory.glob(f".ckpt-*{SUFFIX}.tmp-*"):  # left by a killed writer

@@ -89,19 +89,6 @@ def _read_head(root: pathlib.Path) -> dict[str, Any]:
             "floor": None if floor is None else int(floor)}
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_head(root: pathlib.Path, head: dict[str, Any]) -> None:
     tmp = root / f".{HEAD_FILE}.tmp-{uuid.uuid4().hex}"
     data = {**head, "abandoned": [list(r) for r in _merged(head["abandoned"])]}
@@ -114,7 +101,7 @@ def _write_head(root: pathlib.Path, head: dict[str, Any]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(root)
+    _atomic_dir.fsync_dir(root)
 
 
 def _merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
