@@ -16,10 +16,10 @@ import pytest
 
 import fedlang as fl
 from fedlang import deploy
-from fedlang.core import serialization
+from fedlang.core import serialization, structure
 from fedlang.deploy import protocol, secagg
 from fedlang.deploy.plans import buffered as buffered_plan
-from fedlang.deploy.plans import execution
+from fedlang.deploy.plans import execution, folding
 
 from ..conftest import POINT, capture, vector_sum
 from .conftest import Clock, bearer
@@ -290,3 +290,26 @@ def test_the_upload_contract(harness):
     h.close()
     refused(h, lambda: h.put("b", h.good("b")), 410, h.closed_reason)
     assert h.accepted() == 1  # only a's upload, once
+
+
+def test_a_report_that_would_make_the_aggregate_overflow_is_refused(db_url, server_factory):
+    # Each report is finite; two of them add up to infinity (issue 23, item 2).
+    h = Plain(server_factory(db=db_url, clock=Clock()), Clock())
+    try:
+        report_t = folding.Folder(h.plan).report_type
+        def report(value):  # any float64 value, where honest clients send float32 sums
+            return serialization.serialize_value(
+                structure.to_python((np.full(3, value),), report_t), report_t)
+
+        # alone too large for the float32 result, or two that add up to infinity
+        refused(h, lambda: h.put("a", report(1e39)), 400, "overflow")
+        assert h.put("a", report(3e38)).status_code == 200
+        refused(h, lambda: h.put("b", report(3e38)), 400, "overflow")
+        assert "overflow to infinity" in h.put("b", report(3e38)).json()["detail"]
+        refused(h, lambda: h.put("b", report(1.7e308)), 400, "overflow")
+        assert h.put("b", h.good("b")).status_code == 200  # nothing of the refusal stayed
+        assert h.accepted() == 2
+        _, aggregate = h.server.app_state.rounds.aggregate(h.task)
+        assert np.all(np.isfinite(np.asarray(folding.Folder(h.plan).results(aggregate)[0])))
+    finally:
+        h.http.close()

@@ -19,6 +19,7 @@ import numpy as np
 
 from fedlang.core import serialization, structure, types
 from fedlang.deploy.plans import round as plan_lib
+from fedlang.runtime import accumulate
 
 
 class ReportError(ValueError):
@@ -89,10 +90,33 @@ class Folder:
         return value
 
     def fold(self, aggregate: bytes, report: Any) -> bytes:
-        """The aggregate with one checked plain report folded in."""
+        """The aggregate with one checked plain report folded in.
+
+        Raises:
+          ReportError: `overflow`, if folding the report in would make the aggregate
+            infinite (each report is finite, but finite reports can add up to infinity):
+            the report is refused, and the aggregate stays as it was.
+        """
         accumulators = self._accumulators(aggregate)
         for i, partial in zip(self.plain, report):
-            accumulators[i].merge(partial)
+            acc = accumulators[i]
+            with np.errstate(all="ignore"):  # checked just below
+                acc.merge(partial)
+                leaves = structure.flatten(acc.partial(), self.aggregate_type.types[i])
+                if isinstance(acc, accumulate.Sum):  # a cast or a division: cheap
+                    leaves += structure.flatten(acc.result(), acc.member)
+            # the running sums (wider), and a sum's result in the values' own dtype (a
+            # float32 sum overflows long before its float64 running sum does); a NaN
+            # result is a weighted mean of zero weight, as the reference gives it
+            if any(np.asarray(leaf).dtype.kind in "fc" and np.any(np.isinf(leaf))
+                   for leaf in leaves):
+                raise ReportError(
+                    f"Expected a report the aggregate of aggregation {i} "
+                    f"({self.plan.aggregations[i].uri}) stays finite with, found one that "
+                    "makes it overflow to infinity; a client must clip its values before "
+                    "reporting.",
+                    reason="overflow",
+                )
         return self._serialize(accumulators)
 
     def fold_secure(self, aggregate: bytes, sums: Sequence[Any], num_clients: int) -> bytes:

@@ -14,7 +14,8 @@ steps (`take`):
 5. check it against the plan (400 with the reason: `malformed`, `too_large`,
    `non_finite`, `not_one_client`, or the protocol's `secagg`);
 6. accept it in one transaction, which admits it again with the task locked and folds
-   (a round) or stores (a session) it;
+   (a round) or stores (a session) it; a report that would make a round's aggregate
+   overflow to infinity is refused there (400 `overflow`), the transaction undone;
 
 and every refusal from step 3 on is counted (`refused:REASON` in `GET /v1/status`, and
 in the task: `Uploads.count_refusal`).
@@ -128,7 +129,7 @@ async def take(
         )
         if checked is None:  # a replay
             return False
-        return await concurrency.run_in_threadpool(uploads.accept, target, checked)
+        return await concurrency.run_in_threadpool(_accept, uploads, target, checked)
     except protocol.ProtocolError as e:
         await concurrency.run_in_threadpool(uploads.count_refusal, e.reason, target)
         raise
@@ -137,6 +138,15 @@ async def take(
 def _find(uploads: Uploads[T], task_id: int, slot: int) -> tuple[T, int]:
     target = uploads.target(task_id)
     return target, uploads.limit(target, slot)
+
+
+def _accept(uploads: Uploads[T], target: T, upload: Upload) -> bool:
+    """`uploads.accept`; a report that folding refuses (it would make the aggregate
+    overflow) is refused as a bad request, and its transaction leaves nothing changed."""
+    try:
+        return uploads.accept(target, upload)
+    except folding.ReportError as e:
+        raise protocol.BadRequest(str(e), reason=e.reason) from e
 
 
 def _admit_and_check(uploads: Uploads[T], target: T, upload: Upload) -> Upload | None:
