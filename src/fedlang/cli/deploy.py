@@ -48,6 +48,15 @@ def serve(
     demo_page: Annotated[bool, typer.Option(
         help="Serve a demo page at /demo/ that trains in the browser (implies --browser).")]
     = False,
+    header_timeout: Annotated[float, typer.Option(
+        metavar="SECONDS", help="Seconds a request's headers may take (then 408).")] = 10.0,
+    body_timeout: Annotated[float, typer.Option(
+        metavar="SECONDS", help="Seconds a request's body may stall (then 408).")] = 30.0,
+    keep_alive: Annotated[float, typer.Option(
+        metavar="SECONDS", help="Seconds an idle connection stays open.")] = 5.0,
+    max_connections: Annotated[int, typer.Option(
+        metavar="N", help="Connections and requests at once (more get 503; clients retry).")]
+    = 1000,
 ) -> None:
     """Serve a task store: clients check in for tasks; the driver opens rounds.
 
@@ -75,7 +84,8 @@ def serve(
             server = server_lib.Server(
                 db, host, port, admin_token, key_file, pace=store_lib.Pace(min_retry=min_retry),
                 credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
-                browser=browser, demo_page=demo_page,
+                browser=browser, demo_page=demo_page, limits=server_lib.Limits(
+                    header_timeout, body_timeout, keep_alive, max_connections),
             )
         except (OSError, ValueError, ImportError, server_lib.DatabaseInUse) as e:
             console.fail(e)

@@ -40,6 +40,7 @@ from fedlang.deploy.secagg import SecAggServer as SecAggServer
 
 _LAZY = {
     "Server": "server.serve",
+    "Limits": "server.serve",
     "Client": "client.client",
     "ServerRounds": "driver.rounds",
     "Admin": "driver.admin",

@@ -145,6 +145,14 @@ class TooLarge(ProtocolError, ValueError):
     reason = "too_large"
 
 
+class Timeout(ProtocolError):
+    """A request whose body stalled: nothing of it arrived for the server's body timeout
+    (`fedlang serve --body-timeout`). Clients retry it."""
+
+    status = 408
+    reason = "timeout"
+
+
 class BufferFull(ProtocolError):
     """A buffered session's current buffer holds its K reports and the driver has not
     applied it yet: retry shortly (HTTP clients retry a 503 by themselves)."""
@@ -156,7 +164,8 @@ class BufferFull(ProtocolError):
 # The refusals any route may give, by status (the OpenAPI schema lists them on every
 # route). `BufferFull` is not one: only a buffered upload gives it, and clients retry it.
 ERRORS: dict[int, type[ProtocolError]] = {
-    e.status: e for e in (BadRequest, Unauthorized, Forbidden, NotFound, Conflict, Gone, TooLarge)
+    e.status: e
+    for e in (BadRequest, Unauthorized, Forbidden, NotFound, Conflict, Gone, TooLarge, Timeout)
 }
 
 

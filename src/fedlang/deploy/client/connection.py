@@ -15,7 +15,7 @@ import httpx
 
 from fedlang.deploy import protocol
 
-_RETRY_STATUS = {502, 503, 504}
+_RETRY_STATUS = {408, 502, 503, 504}
 
 
 class ServerUnavailable(ConnectionError):

@@ -30,8 +30,11 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def create_app(server: state_lib.ServerState, tick: float = 1.0) -> fastapi.FastAPI:
-    """The FastAPI application of `server`; `tick` is how often deadlines are checked."""
+def create_app(
+    server: state_lib.ServerState, tick: float = 1.0, body_timeout: float = 30.0
+) -> fastapi.FastAPI:
+    """The FastAPI application of `server`; `tick` is how often deadlines are checked,
+    `body_timeout` how long a request's body may stall (`guard.Guard`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: fastapi.FastAPI) -> AsyncIterator[None]:
@@ -69,5 +72,5 @@ def create_app(server: state_lib.ServerState, tick: float = 1.0) -> fastapi.Fast
         r for router in ROUTERS for r in router.routes
         if isinstance(r, fastapi.routing.APIRoute) and r.openapi_extra == routing.BINARY_BODY
     ]
-    app.add_middleware(guard.Guard, server=server, binary=binary)
+    app.add_middleware(guard.Guard, server=server, binary=binary, body_timeout=body_timeout)
     return app

@@ -14,10 +14,16 @@ first, in this order:
 
 So no request without a credential costs the server more than its headers and
 `JSON_LIMIT` bytes, and the answer to a tokenless admin request is 401 whatever its body.
+
+A body that stalls (nothing of it arrives for `body_timeout` seconds, e.g. an upload
+sent half and held) is answered 408 and its connection closed, for every route: the
+`receive` every route reads its body from is wrapped here. (Headers that never end are
+the server's own: `serve.HeaderTimeout`.)
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 
 from fastapi import responses, routing
@@ -43,14 +49,17 @@ class Guard:
     """The checks before any body is read (see the module docstring)."""
 
     def __init__(
-        self, app: ASGIApp, server: state_lib.ServerState, binary: Iterable[routing.APIRoute]
+        self, app: ASGIApp, server: state_lib.ServerState, binary: Iterable[routing.APIRoute],
+        body_timeout: float = 30.0,
     ) -> None:
         self.app, self.server, self.binary = app, server, tuple(binary)
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        receive = _stall_bounded(receive, self.body_timeout)
         try:
             if scope["path"].startswith(ADMIN):
                 headers = datastructures.Headers(scope=scope)
@@ -88,6 +97,29 @@ async def _bounded(scope: Scope, receive: Receive) -> Receive:
         if not message.get("more_body", False):
             break
     return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
+
+
+def _stall_bounded(receive: Receive, timeout: float) -> Receive:
+    """`receive`, raising `Timeout` when the next part of the body takes more than
+    `timeout` seconds to arrive (once the body is whole, waits are not bounded: a long
+    poll waits for the client to go away)."""
+    whole = False
+
+    async def bounded() -> Message:
+        nonlocal whole
+        if whole:
+            return await receive()
+        try:
+            message = await asyncio.wait_for(receive(), timeout)
+        except TimeoutError:
+            raise protocol.Timeout(
+                f"Expected the request's body to go on arriving, found nothing for "
+                f"{timeout:g} s; send it again."
+            ) from None
+        whole = message["type"] != "http.request" or not message.get("more_body", False)
+        return message
+
+    return bounded
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

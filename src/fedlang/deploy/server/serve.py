@@ -12,9 +12,13 @@ to open rounds and sessions and read their results. The application itself is
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import errno
 import fcntl
+import json
+import math
 import os
 import pathlib
 import socket
@@ -24,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http import h11_impl
 
 from fedlang.core import signing
 from fedlang.deploy.server import app as app_lib
@@ -139,6 +144,86 @@ def load_key(key: Any, store: store_lib.Store, db: str | os.PathLike[str] = "") 
     return signing.load_private_key(path.read_bytes())
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one connection may hold of the server, and how long (`fedlang serve`'s
+    `--header-timeout`, `--body-timeout`, `--keep-alive`, `--max-connections`).
+
+    Attributes:
+      header_timeout: seconds from a connection's first byte (or the end of its last
+        answer) to the end of a request's headers; then 408 and the connection closed
+        (a slowloris sending a header byte now and then holds nothing for long).
+      body_timeout: seconds a request's body may stall (nothing of it arriving); then
+        408 (`guard.Guard`).
+      keep_alive: seconds an idle connection is kept open after an answer.
+      max_connections: connections and requests in progress at once; more get 503, which
+        clients retry.
+    """
+
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keep_alive: float = 5.0
+    max_connections: int = 1000
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout", "body_timeout", "keep_alive"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Expected {name} > 0 seconds, found {getattr(self, name)}.")
+        if self.max_connections < 1:
+            raise ValueError(f"Expected max_connections >= 1, found {self.max_connections}.")
+
+
+class HeaderTimeout(h11_impl.H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers do not
+    end within `header_timeout` seconds (uvicorn bounds only the idle time between
+    requests): with a 408 when no request is in progress on it."""
+
+    header_timeout = 10.0  # set per server by `Server` (a subclass each)
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def data_received(self, data: bytes) -> None:
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle:  # bytes of a new request: its headers must end in time
+            self._arm()
+        before = self.cycle
+        super().data_received(data)
+        if self.cycle is not before:  # the headers ended: a request began
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _too_slow(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_complete:
+            body = json.dumps({
+                "detail": f"Expected the request's headers within {self.header_timeout:g} s, "
+                          "found them unfinished; send the request again.",
+                "reason": "timeout",
+            }).encode()
+            self.transport.write(
+                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+        self.transport.close()
+
+
 def _free_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -184,6 +269,7 @@ class Server:
       log_level: uvicorn's log level.
       access_log: log one line per request (uvicorn's access log: method, path, status;
         never a body).
+      limits: timeouts and the connection limit (`Limits`; its defaults by default).
 
     Example:
       >>> with Server(db="/tmp/fl.db", port=0) as server:  # doctest: +SKIP
@@ -209,6 +295,7 @@ class Server:
         browser: bool = False,
         demo_page: bool = False,
         access_log: bool = False,
+        limits: Limits | None = None,
     ):
         self._held = hold_database(db)  # first: before anything reads the database
         try:
@@ -226,14 +313,20 @@ class Server:
                 max_blob_bytes,
             )
             self.public_key = self.app_state.public_key
-            self.app = app_lib.create_app(self.app_state, tick)
+            limits = limits or Limits()
+            self.limits = limits
+            self.app = app_lib.create_app(self.app_state, tick, limits.body_timeout)
             if browser or demo_page:
                 from fedlang.deploy.browser import routes
 
                 routes.mount(self.app, demo=demo_page)
+            protocol = type("HeaderTimeout", (HeaderTimeout,),
+                            {"header_timeout": limits.header_timeout})
             self._config = uvicorn.Config(
                 self.app, log_level=log_level, access_log=access_log, ssl_keyfile=ssl_keyfile,
-                ssl_certfile=ssl_certfile, timeout_graceful_shutdown=5,
+                ssl_certfile=ssl_certfile, timeout_graceful_shutdown=5, http=protocol,
+                timeout_keep_alive=max(1, math.ceil(limits.keep_alive)),
+                limit_concurrency=limits.max_connections,
             )
             self._uvicorn = uvicorn.Server(self._config)
             self._thread: threading.Thread | None = None

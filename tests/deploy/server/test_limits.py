@@ -1,0 +1,111 @@
+"""Timeouts and the connection limit (issue 23, item 5), against a real `fedlang serve`
+process with short limits: headers that never end (slowloris), a body that stalls, an
+idle connection, and more connections than the server takes. Each test is bounded by
+its sockets' timeouts."""
+
+import contextlib
+import select
+import socket
+import time
+
+import httpx
+import pytest
+
+from fedlang.deploy.server import serve
+
+from ...cli._run import fedlang, one_sentence_error
+
+LIMITS = ["--header-timeout", "1", "--body-timeout", "1", "--keep-alive", "1",
+          "--max-connections", "8"]
+
+
+@pytest.fixture
+def server(tmp_path, server_process):
+    return server_process(tmp_path / "server.db", extra_args=LIMITS).start()
+
+
+def _connect(server):
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    return s
+
+
+def _until_closed(s, deadline=10.0):
+    """What the server sends until it closes the connection (bounded by `deadline`)."""
+    s.settimeout(deadline)
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    return got
+
+
+def test_headers_that_never_end_are_cut_off(server):
+    conns = [_connect(server) for _ in range(5)]
+    for s in conns:
+        s.sendall(b"POST /v1/checkin HTTP/1.1\r\nHost: x\r\n")
+    start, answered = time.monotonic(), {}
+    while len(answered) < len(conns) and time.monotonic() - start < 8:
+        for s in conns:  # a header byte now and then, as a slowloris sends
+            if s not in answered:
+                with contextlib.suppress(OSError):
+                    s.sendall(b"X")
+        readable, _, _ = select.select([s for s in conns if s not in answered], [], [], 0.2)
+        for s in readable:
+            answered[s] = _until_closed(s)
+    assert len(answered) == len(conns) and time.monotonic() - start < 8
+    assert all(reply.startswith(b"HTTP/1.1 408") for reply in answered.values())
+    for s in conns:
+        s.close()
+    assert httpx.get(f"{server.url}/v1/status").status_code == 200
+
+
+def test_a_silent_connection_gets_408(server):
+    with _connect(server) as s:
+        reply = _until_closed(s)
+    assert reply.startswith(b"HTTP/1.1 408") and b'"reason": "timeout"' in reply
+
+
+@pytest.mark.parametrize("path,content_type", [
+    ("/v1/admin/populations", "application/json"),   # a JSON body (read by the guard)
+    ("/v1/admin/blobs", "application/octet-stream"),  # a binary body (read by its route)
+])
+def test_a_stalled_body_gets_408(server, path, content_type):
+    with _connect(server) as s:
+        s.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.admin_token}"
+                   f"\r\nContent-Type: {content_type}\r\nContent-Length: 1000\r\n\r\n").encode()
+                  + b"{" * 10)
+        start = time.monotonic()
+        reply = _until_closed(s)
+    assert reply.split()[1] == b"408" and b"timeout" in reply, reply[:300]
+    assert time.monotonic() - start < 8
+
+
+def test_an_idle_connection_is_closed_after_keep_alive(server):
+    with _connect(server) as s:
+        s.sendall(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n")
+        start = time.monotonic()
+        reply = _until_closed(s)
+    assert reply.startswith(b"HTTP/1.1 200") and time.monotonic() - start < 8
+
+
+def test_more_connections_than_the_limit_get_503(server):
+    held = [_connect(server) for _ in range(8)]
+    for s in held:
+        s.sendall(b"GET /v1/status HTTP/1.1\r\n")  # unfinished: each holds a connection
+    time.sleep(0.3)
+    try:
+        r = httpx.get(f"{server.url}/v1/status", timeout=10)
+        assert r.status_code == 503
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(0.3)
+    assert httpx.get(f"{server.url}/v1/status", timeout=10).status_code == 200
+
+
+def test_limits_are_checked():
+    with pytest.raises(ValueError, match="header_timeout > 0"):
+        serve.Limits(header_timeout=0)
+    with pytest.raises(ValueError, match="max_connections >= 1"):
+        serve.Limits(max_connections=0)
+    one_sentence_error(fedlang("serve", "--db", ":memory:", "--body-timeout", "-1"), 1,
+                       "body_timeout > 0")
