@@ -36,6 +36,11 @@ class Admin:
             json={"max_enrollments": max_enrollments},
         )["token"]
 
+    def audit_log(self, after: int = 0, limit: int = 100) -> list[dict[str, Any]]:
+        """The audit log's entries after `after` (each admin request that may change
+        something: when, method, path, status, from where)."""
+        return self._json("GET", "/admin/audit", params={"after": after, "limit": limit})
+
     def revoke_client(self, client_id: str) -> str:
         """Revokes a client's credential; returns its population."""
         return self._json("DELETE", f"/admin/clients/{client_id}")["population"]

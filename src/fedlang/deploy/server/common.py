@@ -49,6 +49,18 @@ def finish_population(
                 if p["name"] == name)
 
 
+@router.get("/admin/audit", tags=["admin"])
+def audit_log(
+    auth: auth_lib.Bearer, server: State,
+    after: Annotated[int, fastapi.Query(ge=0, le=2**62)] = 0,
+    limit: Annotated[int, fastapi.Query(ge=1, le=1000)] = 100,
+) -> list[schemas.AuditEntry]:
+    """The audit log: every request made with the admin token that may change something
+    (not GET), oldest first, after sequence number `after`."""
+    auth_lib.admin(server, auth)
+    return [schemas.AuditEntry(**e) for e in server.store.audit_log(after, limit)]
+
+
 @router.post("/admin/populations/{name}/token", tags=["admin"])
 def rotate_token(
     name: routing.Population, body: schemas.TokenIn, auth: auth_lib.Bearer, server: State

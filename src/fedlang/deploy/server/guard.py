@@ -13,7 +13,10 @@ first, in this order:
    limit of their task (`intake.read_limited`), after checking their caller.
 
 So no request without a credential costs the server more than its headers and
-`JSON_LIMIT` bytes, and the answer to a tokenless admin request is 401 whatever its body.
+`JSON_LIMIT` bytes, and the answer to a tokenless admin request is 401 whatever its body
+(counted as `refused:admin_unauthorized`). Every other admin request that may change
+something (not GET) is recorded in the audit table with its answer's status
+(`Store.audit`, read at `GET /v1/admin/audit`).
 
 A body that stalls (nothing of it arrives for `body_timeout` seconds, e.g. an upload
 sent half and held) is answered 408 and its connection closed, for every route: the
@@ -27,7 +30,7 @@ import asyncio
 from collections.abc import Iterable
 
 from fastapi import responses, routing
-from starlette import datastructures
+from starlette import concurrency, datastructures
 from starlette import routing as starlette_routing
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -60,16 +63,44 @@ class Guard:
             await self.app(scope, receive, send)
             return
         receive = _stall_bounded(receive, self.body_timeout)
+        admin = scope["path"].startswith(ADMIN)
         try:
-            if scope["path"].startswith(ADMIN):
+            if admin:
                 headers = datastructures.Headers(scope=scope)
-                auth.admin_header(self.server, headers.get("authorization"))
+                try:
+                    auth.admin_header(self.server, headers.get("authorization"))
+                except protocol.Unauthorized:
+                    await concurrency.run_in_threadpool(
+                        self.server.store.count_refusal, "admin_unauthorized")
+                    raise
             if not self._reads_own_body(scope):
                 receive = await _bounded(scope, receive)
         except protocol.ProtocolError as e:
             await refusal(e)(scope, receive, send)
+            if admin and not isinstance(e, protocol.Unauthorized):
+                await self._audit(scope, e.status)
             return
-        await self.app(scope, receive, send)
+        if not admin or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        status = [500]  # what the route answered; 500 if it raised before answering
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            await self._audit(scope, status[0])
+
+    async def _audit(self, scope: Scope, status: int) -> None:
+        """Records an admin request that may change something (the audit table)."""
+        client = scope.get("client")
+        remote = f"{client[0]}:{client[1]}" if client else ""
+        await concurrency.run_in_threadpool(
+            self.server.store.audit, scope["method"], scope["path"], status, remote)
 
     def _reads_own_body(self, scope: Scope) -> bool:
         return any(r.matches(scope)[0] == starlette_routing.Match.FULL for r in self.binary)

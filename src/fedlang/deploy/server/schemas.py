@@ -37,6 +37,15 @@ class TokenIn(pydantic.BaseModel):
     max_enrollments: MaxEnrollments = None
 
 
+class AuditEntry(pydantic.BaseModel):
+    seq: int = pydantic.Field(description="Its place in the log, from 1.")
+    at: float = pydantic.Field(description="When, in seconds since the epoch.")
+    method: str
+    path: str
+    status: int = pydantic.Field(description="The answer's status.")
+    remote: str = pydantic.Field(description="The caller's address and port.")
+
+
 class RevokedOut(pydantic.BaseModel):
     client_id: str
     population: str

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from fedlang.deploy.store import sql
 
-VERSION = 3
+VERSION = 4
 
 TABLES = [
     # What every mode shares (store.py).
@@ -32,6 +32,10 @@ TABLES = [
     "CREATE TABLE IF NOT EXISTS blobs (hash TEXT PRIMARY KEY, size {int} NOT NULL,"
     " data {blob} NOT NULL, created {real} NOT NULL)",
     "CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value {int} NOT NULL)",
+    # Every request made with the admin token that changes something (store.py, written
+    # by server/guard.py): when, what, the answer's status, from where.
+    "CREATE TABLE IF NOT EXISTS audit (seq {int} PRIMARY KEY, at {real} NOT NULL,"
+    " method TEXT NOT NULL, path TEXT NOT NULL, status {int} NOT NULL, remote TEXT NOT NULL)",
     # Rounds, plain and secure (rounds.py): one row each, the clients assigned, the
     # digests of accepted reports (a secure round's: one per client and stage), the
     # running aggregate.
@@ -97,6 +101,8 @@ MIGRATIONS: dict[int, list[str]] = {
         "ALTER TABLE populations ADD COLUMN token_enrollments {int} NOT NULL DEFAULT 0",
         "ALTER TABLE populations ADD COLUMN max_enrollments {int}",
     ],
+    # 3 -> 4: the audit table, which `install` creates as it creates any missing table.
+    3: [],
 }
 
 

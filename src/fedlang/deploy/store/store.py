@@ -438,6 +438,28 @@ class Store:
             if update is not None:
                 tx.run(*update)
 
+    def audit(self, method: str, path: str, status: int, remote: str) -> None:
+        """Records one request made with the admin token that changes something."""
+        with self.transaction(write=True) as tx:
+            tx.dialect.lock_table(tx, "audit")
+            seq = int(tx.one("SELECT COALESCE(MAX(seq), 0) FROM audit")[0]) + 1
+            tx.run(
+                "INSERT INTO audit (seq, at, method, path, status, remote)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (seq, self.clock(), method, path, status, remote),
+            )
+
+    def audit_log(self, after: int = 0, limit: int = 100) -> list[dict[str, Any]]:
+        """The audit entries after sequence number `after`, oldest first."""
+        with self.transaction() as tx:
+            rows = tx.all(
+                "SELECT seq, at, method, path, status, remote FROM audit WHERE seq > ?"
+                " ORDER BY seq LIMIT ?",
+                (after, limit),
+            )
+        keys = ("seq", "at", "method", "path", "status", "remote")
+        return [dict(zip(keys, row)) for row in rows]
+
     def counters(self) -> dict[str, int]:
         with self.transaction() as tx:
             return {name: int(value) for name, value in tx.all("SELECT name, value FROM counters")}
