@@ -11,7 +11,8 @@ def test_python_dash_m_fedlang_help():
     out = subprocess.run([sys.executable, "-m", "fedlang", "--help"], capture_output=True,
                          text=True, timeout=60, env=ENV)
     assert out.returncode == 0, out.stderr
-    for command in ("demo", "train", "data", "serve", "client", "status", "revoke", "rotate-token"):
+    for command in ("demo", "train", "data", "serve", "client", "status", "revoke", "rotate-token",
+                    "device-tokens"):
         assert command in out.stdout, command
 
 

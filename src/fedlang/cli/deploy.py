@@ -1,5 +1,5 @@
-"""`fedlang serve`, `fedlang client`, `fedlang status URL`, `fedlang revoke` and
-`fedlang rotate-token`: the deployment's commands.
+"""`fedlang serve`, `fedlang client`, `fedlang status URL`, `fedlang revoke`,
+`fedlang rotate-token` and `fedlang device-tokens`: the deployment's commands.
 
 FastAPI, uvicorn and httpx (`pip install 'fedlang[deploy]'`) are imported only when a
 command runs.
@@ -359,12 +359,24 @@ def rotate_token(
     console.out.print(f"enrollment token for {escape(population)}: {token}")
 
 
+def device_tokens(
+    url: Annotated[str, typer.Argument(metavar="URL", help="The server's URL.")],
+    population: Annotated[str, typer.Argument(metavar="POPULATION", help="The population.")],
+    admin_token: AdminToken,
+    count: Annotated[int, typer.Option(min=1, max=1000, metavar="N", help="How many.")] = 1,
+) -> None:
+    """Print single-use enrollment tokens for a population, one a line (one per device)."""
+    for token in _admin_call(url, admin_token, lambda a: a.device_tokens(population, count)):
+        console.out.print(token, soft_wrap=True)
+
+
 def register(app: typer.Typer) -> None:
-    """Adds `fedlang serve`, `client`, `status`, `revoke` and `rotate-token` to the
-    `fedlang` app."""
+    """Adds `fedlang serve`, `client`, `status`, `revoke`, `rotate-token` and
+    `device-tokens` to the `fedlang` app."""
     app.command()(serve)
     app.command()(client)
     app.command()(status)
     app.command()(revoke)
     app.command("rotate-token")(rotate_token)
+    app.command("device-tokens")(device_tokens)
 

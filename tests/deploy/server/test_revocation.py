@@ -47,3 +47,21 @@ def test_a_capped_token_is_rotated_and_a_client_revoked(server):
                                "wrong"), 1, "admin token")
     assert http.post(f"{API}/checkin", headers=bearer(second["credential"])).status_code == 200
     http.close()
+
+
+def test_device_tokens_enroll_one_device_each(server):
+    status, out, err = fedlang("device-tokens", server.url, "pop", "--count", 3,
+                               "--admin-token", server.admin_token)
+    assert status == 1 and "Expected an existing population" in err  # not made yet
+    http = httpx.Client(base_url=server.url, timeout=30)
+    http.post(f"{API}/admin/populations", json={"name": "pop"}, headers=bearer(server.admin_token))
+    status, out, err = fedlang("device-tokens", server.url, "pop", "--count", 3,
+                               "--admin-token", server.admin_token)
+    assert status == 0, err
+    tokens = out.split()
+    assert len(set(tokens)) == 3
+    for token in tokens:
+        assert http.post(f"{API}/populations/pop/enroll", headers=bearer(token)).status_code == 201
+        r = http.post(f"{API}/populations/pop/enroll", headers=bearer(token))
+        assert (r.status_code, r.json()["reason"]) == (401, "unauthorized")
+    http.close()

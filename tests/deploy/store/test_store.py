@@ -53,7 +53,7 @@ def test_an_enrollment_token_is_capped_rotated_and_refusals_are_counted(store):
     (pop,) = store.populations()
     assert (pop["clients"], pop["token_enrollments"], pop["max_enrollments"]) == (2, 2, 2)
     new = store.rotate_token("capped", max_enrollments=1)
-    with pytest.raises(protocol.Unauthorized, match="found a wrong one"):
+    with pytest.raises(protocol.Unauthorized, match="found a wrong or used one"):
         store.enroll("capped", token, 60.0)  # the old token enrolls no more
     store.enroll("capped", new, 60.0)
     with pytest.raises(protocol.Forbidden):
@@ -73,3 +73,22 @@ def test_a_revoked_client_is_refused_at_once(store, token):
     assert store.populations()[0]["clients"] == 1
     with pytest.raises(protocol.NotFound, match="enrolled client"):
         store.revoke_client(client_id)
+
+
+def test_a_device_token_enrolls_one_client_of_its_population_once(store, token):
+    store.create_population("other")
+    first, second = store.device_tokens("pop", 2)
+    client_id, credential, _ = store.enroll("pop", first, 60.0)
+    assert store.authenticate(credential) == (client_id, "pop")
+    with pytest.raises(protocol.Unauthorized, match="wrong or used one"):
+        store.enroll("pop", first, 60.0)  # spent
+    with pytest.raises(protocol.Unauthorized):
+        store.enroll("other", second, 60.0)  # another population's
+    store.enroll("pop", second, 60.0)
+    (pop,) = [p for p in store.populations() if p["name"] == "pop"]
+    assert (pop["clients"], pop["token_enrollments"]) == (2, 0)  # not the shared token's
+    assert store.counters()["refused:enrollment"] == 2
+    with pytest.raises(protocol.NotFound):
+        store.device_tokens("nope", 1)
+    with pytest.raises(ValueError, match="1 to 1000"):
+        store.device_tokens("pop", 0)

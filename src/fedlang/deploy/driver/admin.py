@@ -41,6 +41,12 @@ class Admin:
         something: when, method, path, status, from where)."""
         return self._json("GET", "/admin/audit", params={"after": after, "limit": limit})
 
+    def device_tokens(self, population: str, count: int) -> list[str]:
+        """`count` single-use enrollment tokens of `population`, one per device."""
+        return self._json(
+            "POST", f"/admin/populations/{population}/device-tokens", json={"count": count}
+        )["tokens"]
+
     def revoke_client(self, client_id: str) -> str:
         """Revokes a client's credential; returns its population."""
         return self._json("DELETE", f"/admin/clients/{client_id}")["population"]

@@ -71,6 +71,16 @@ def rotate_token(
     return schemas.PopulationOut(name=name, token=server.store.rotate_token(name, body.max_enrollments))
 
 
+@router.post("/admin/populations/{name}/device-tokens", status_code=201, tags=["admin"])
+def device_tokens(
+    name: routing.Population, body: schemas.DeviceTokensIn, auth: auth_lib.Bearer, server: State
+) -> schemas.DeviceTokensOut:
+    """Single-use enrollment tokens of the population, one per device (shown only here):
+    each enrolls one client, then never again."""
+    auth_lib.admin(server, auth)
+    return schemas.DeviceTokensOut(population=name, tokens=server.store.device_tokens(name, body.count))
+
+
 @router.delete("/admin/clients/{client_id}", tags=["admin"])
 def revoke_client(
     client_id: Annotated[str, fastapi.Path(pattern=schemas.NAME, description="A client's id.")],

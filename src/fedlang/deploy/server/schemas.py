@@ -46,6 +46,15 @@ class AuditEntry(pydantic.BaseModel):
     remote: str = pydantic.Field(description="The caller's address and port.")
 
 
+class DeviceTokensIn(pydantic.BaseModel):
+    count: int = pydantic.Field(ge=1, le=1000, description="How many tokens to make.")
+
+
+class DeviceTokensOut(pydantic.BaseModel):
+    population: str
+    tokens: list[str] = pydantic.Field(description="Single-use enrollment tokens, shown once.")
+
+
 class RevokedOut(pydantic.BaseModel):
     client_id: str
     population: str

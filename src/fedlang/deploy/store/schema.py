@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from fedlang.deploy.store import sql
 
-VERSION = 4
+VERSION = 5
 
 TABLES = [
     # What every mode shares (store.py).
@@ -32,6 +32,9 @@ TABLES = [
     "CREATE TABLE IF NOT EXISTS blobs (hash TEXT PRIMARY KEY, size {int} NOT NULL,"
     " data {blob} NOT NULL, created {real} NOT NULL)",
     "CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value {int} NOT NULL)",
+    # Single-use enrollment tokens, one per device (store.py): hashes; `used` once spent.
+    "CREATE TABLE IF NOT EXISTS device_tokens (hash TEXT PRIMARY KEY, population TEXT NOT NULL,"
+    " created {real} NOT NULL, used {real})",
     # Every request made with the admin token that changes something (store.py, written
     # by server/guard.py): when, what, the answer's status, from where.
     "CREATE TABLE IF NOT EXISTS audit (seq {int} PRIMARY KEY, at {real} NOT NULL,"
@@ -103,6 +106,8 @@ MIGRATIONS: dict[int, list[str]] = {
     ],
     # 3 -> 4: the audit table, which `install` creates as it creates any missing table.
     3: [],
+    # 4 -> 5: single-use device tokens (`device_tokens`, created as any missing table).
+    4: [],
 }
 
 

@@ -259,13 +259,37 @@ class Store:
             if not tx.run("UPDATE populations SET finished = 1 WHERE name = ?", (name,)):
                 raise protocol.NotFound(f"Expected an existing population, found {name!r}.")
 
-    def enroll(self, population: str, token: str, ttl: float) -> tuple[str, str, float]:
-        """A new client of `population`: (client id, credential, expiry time). A refusal
-        is counted (`refused:enrollment`, `refused:enrollment_cap`).
+    def device_tokens(self, population: str, count: int) -> list[str]:
+        """`count` new single-use enrollment tokens of `population`, one per device (kept
+        as hashes; each enrolls one client, then never again).
 
         Raises:
-          Unauthorized: if the enrollment token is not the population's.
-          Forbidden: if the token has enrolled as many clients as it may.
+          NotFound: no such population.
+          ValueError: `count` outside 1..1000.
+        """
+        if not 1 <= count <= 1000:
+            raise ValueError(f"Expected 1 to 1000 device tokens at a time, found {count}.")
+        tokens = [secrets.token_urlsafe(24) for _ in range(count)]
+        with self.transaction(write=True) as tx:
+            if tx.one("SELECT 1 FROM populations WHERE name = ?", (population,)) is None:
+                raise protocol.NotFound(f"Expected an existing population, found {population!r}.")
+            now = self.clock()
+            for token in tokens:
+                tx.run(
+                    "INSERT INTO device_tokens (hash, population, created) VALUES (?, ?, ?)",
+                    (secret_hash(token), population, now),
+                )
+        return tokens
+
+    def enroll(self, population: str, token: str, ttl: float) -> tuple[str, str, float]:
+        """A new client of `population`: (client id, credential, expiry time), enrolled
+        with the population's token (within its cap) or with one of its single-use device
+        tokens. A refusal is counted (`refused:enrollment`, `refused:enrollment_cap`).
+
+        Raises:
+          Unauthorized: if the token is neither the population's nor an unused device token
+            of it.
+          Forbidden: if the population's token has enrolled as many clients as it may.
         """
         refusal: protocol.ProtocolError | None = None
         with self.transaction(write=True) as tx:
@@ -274,22 +298,29 @@ class Store:
                 " WHERE name = ?" + tx.dialect.lock_row,
                 (population,),
             )
-            if row is None or not secrets.compare_digest(row[0], secret_hash(token)):
-                if row is None:  # the name is wrong, not the token: say so
-                    refusal = protocol.Unauthorized(
-                        f"Expected an existing population, found no population named "
-                        f"{population!r} on this server; check the name (`fedlang status "
-                        "URL` lists the populations) or create it (`fedlang serve "
-                        f"--population {population}`, or `Admin.create_population`)."
-                    )
-                else:
-                    refusal = protocol.Unauthorized(
-                        f"Expected the enrollment token of population {population!r}, found "
-                        "a wrong one; ask the server's operator for the token (`fedlang "
-                        "serve` printed it when it made the population)."
-                    )
+            shared = row is not None and secrets.compare_digest(row[0], secret_hash(token))
+            device = row is not None and not shared and tx.run(
+                "UPDATE device_tokens SET used = ? WHERE hash = ? AND population = ?"
+                " AND used IS NULL",
+                (self.clock(), secret_hash(token), population),
+            ) == 1
+            if row is None:  # the name is wrong, not the token: say so
+                refusal = protocol.Unauthorized(
+                    f"Expected an existing population, found no population named "
+                    f"{population!r} on this server; check the name (`fedlang status "
+                    "URL` lists the populations) or create it (`fedlang serve "
+                    f"--population {population}`, or `Admin.create_population`)."
+                )
                 tx.count("refused:enrollment")
-            elif row[2] is not None and row[1] >= row[2]:
+            elif not shared and not device:
+                refusal = protocol.Unauthorized(
+                    f"Expected an enrollment token of population {population!r} (its own, or "
+                    "an unused device token), found a wrong or used one; ask the server's "
+                    "operator for a token (`fedlang serve` printed the population's when it "
+                    "made it)."
+                )
+                tx.count("refused:enrollment")
+            elif shared and row[2] is not None and row[1] >= row[2]:
                 refusal = protocol.Forbidden(
                     f"Expected an enrollment token with enrollments left, found one of "
                     f"population {population!r} that has enrolled its {row[2]} clients; ask "
@@ -308,8 +339,8 @@ class Store:
                 )
                 tx.run(
                     "UPDATE populations SET clients = clients + 1,"
-                    " token_enrollments = token_enrollments + 1 WHERE name = ?",
-                    (population,),
+                    " token_enrollments = token_enrollments + ? WHERE name = ?",
+                    (int(shared), population),
                 )
                 tx.count("enrollments")
         if refusal is not None:  # raised once the count is committed
