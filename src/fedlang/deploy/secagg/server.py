@@ -150,6 +150,10 @@ class SecAggServer:
             return self._sorted(s.masked)
         return ()
 
+    def unmasked_by(self) -> tuple[str, ...]:
+        """The clients whose unmasking answers (their shares) arrived."""
+        return self._sorted(self._s.revealed)
+
     def neighbours(self, client_id: str) -> tuple[str, ...]:
         """A client's neighbours (once stage 1 has closed)."""
         return self._neighbours()[client_id]

@@ -76,24 +76,22 @@ class Guard:
             if not self._reads_own_body(scope):
                 receive = await _bounded(scope, receive)
         except protocol.ProtocolError as e:
-            await refusal(e)(scope, receive, send)
             if admin and not isinstance(e, protocol.Unauthorized):
                 await self._audit(scope, e.status)
+            await refusal(e)(scope, receive, send)
             return
         if not admin or scope["method"] in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
-        status = [500]  # what the route answered; 500 if it raised before answering
 
         async def sending(message: Message) -> None:
+            # recorded before the caller sees the answer, so the log's order is the
+            # order in which the admin saw its requests answered
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                await self._audit(scope, message["status"])
             await send(message)
 
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            await self._audit(scope, status[0])
+        await self.app(scope, receive, sending)
 
     async def _audit(self, scope: Scope, status: int) -> None:
         """Records an admin request that may change something (the audit table)."""

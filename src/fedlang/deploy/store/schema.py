@@ -37,7 +37,7 @@ TABLES = [
     " created {real} NOT NULL, used {real})",
     # Every request made with the admin token that changes something (store.py, written
     # by server/guard.py): when, what, the answer's status, from where.
-    "CREATE TABLE IF NOT EXISTS audit (seq {int} PRIMARY KEY, at {real} NOT NULL,"
+    "CREATE TABLE IF NOT EXISTS admin_audit (seq {int} PRIMARY KEY, at {real} NOT NULL,"
     " method TEXT NOT NULL, path TEXT NOT NULL, status {int} NOT NULL, remote TEXT NOT NULL)",
     # Rounds, plain and secure (rounds.py): one row each, the clients assigned, the
     # digests of accepted reports (a secure round's: one per client and stage), the
@@ -104,7 +104,7 @@ MIGRATIONS: dict[int, list[str]] = {
         "ALTER TABLE populations ADD COLUMN token_enrollments {int} NOT NULL DEFAULT 0",
         "ALTER TABLE populations ADD COLUMN max_enrollments {int}",
     ],
-    # 3 -> 4: the audit table, which `install` creates as it creates any missing table.
+    # 3 -> 4: the admin_audit table, which `install` creates as it creates any missing table.
     3: [],
     # 4 -> 5: single-use device tokens (`device_tokens`, created as any missing table).
     4: [],

@@ -301,13 +301,14 @@ class SecureRounds:
         now: float,
     ) -> None:
         old = server.stage
+        answered = server.unmasked_by()  # before the protocol forgets the shares
         try:
             new = server.advance()
         except secagg.SecAggError:
             self._fail(tx, r, old, server.failure.removeprefix(_PROTOCOL_FAILED), now)
             return
         if new == Stage.DONE:
-            self._finish(tx, r, server, folder, now)
+            self._finish(tx, r, server, folder, now, answered)
             return
         participants = server.participants()
         if len(participants) < r.quorum:
@@ -364,6 +365,7 @@ class SecureRounds:
         server: secagg.SecAggServer,
         folder: folding.Folder,
         now: float,
+        answered: tuple[str, ...],
     ) -> None:
         survivors = server.participants()
         aggregate = bytes(tx.one("SELECT data FROM aggregates WHERE round = ?", (r.id,))[0])
@@ -372,6 +374,12 @@ class SecureRounds:
             (folder.fold_secure(aggregate, server.result(), len(survivors)), r.id),
         )
         self._drop_all_but(tx, r, set(survivors), now)
+        # A client whose masked input arrived but who never answered the last stage is in
+        # the sum (the others revealed its masks) and still dropped out of the protocol.
+        silent = len(set(survivors) - set(answered))
+        if silent:
+            tx.run("UPDATE rounds SET dropped = dropped + ? WHERE id = ?", (silent, r.id))
+            tx.count("dropouts", silent)
         tx.run(
             "UPDATE rounds SET state = ?, closed = ? WHERE id = ?", (rounds_lib.CLOSED, now, r.id)
         )

@@ -472,10 +472,10 @@ class Store:
     def audit(self, method: str, path: str, status: int, remote: str) -> None:
         """Records one request made with the admin token that changes something."""
         with self.transaction(write=True) as tx:
-            tx.dialect.lock_table(tx, "audit")
-            seq = int(tx.one("SELECT COALESCE(MAX(seq), 0) FROM audit")[0]) + 1
+            tx.dialect.lock_table(tx, "admin_audit")
+            seq = int(tx.one("SELECT COALESCE(MAX(seq), 0) FROM admin_audit")[0]) + 1
             tx.run(
-                "INSERT INTO audit (seq, at, method, path, status, remote)"
+                "INSERT INTO admin_audit (seq, at, method, path, status, remote)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 (seq, self.clock(), method, path, status, remote),
             )
@@ -484,7 +484,7 @@ class Store:
         """The audit entries after sequence number `after`, oldest first."""
         with self.transaction() as tx:
             rows = tx.all(
-                "SELECT seq, at, method, path, status, remote FROM audit WHERE seq > ?"
+                "SELECT seq, at, method, path, status, remote FROM admin_audit WHERE seq > ?"
                 " ORDER BY seq LIMIT ?",
                 (after, limit),
             )
