@@ -2,8 +2,11 @@
 through the real command: how they start, refuse and stop."""
 
 import concurrent.futures
+import json
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -11,7 +14,7 @@ import pytest
 
 from fedlang import deploy
 
-from ._run import fedlang, fedlang_all, one_sentence_error, start_fedlang
+from ._run import ENV, fedlang, fedlang_all, one_sentence_error, start_fedlang
 
 
 @pytest.fixture
@@ -172,3 +175,20 @@ def test_status_refuses_a_malformed_url_without_retrying_for_its_patience():
     # with --patience 600 it retried for ten minutes; it is refused before the first try
     status, _, err = fedlang("status", "htp://127.0.0.1:8000", "--patience", "600", timeout=60)
     assert status == 1 and err.startswith("Error: Expected the server's URL"), err
+
+
+def test_status_keeps_its_full_table_in_a_file_and_prints_json(server):
+    # written to a file it was cut to 80 columns (`rou… pop… sta…`); issue 26
+    name = "a-population-whose-name-makes-the-row-wider-than-80-columns"
+    with deploy.Admin(server.url, server.admin_token) as admin:
+        admin.create_population(name)
+    env = {k: v for k, v in ENV.items() if k != "COLUMNS"}
+    out = subprocess.run([sys.executable, "-m", "fedlang", "status", server.url],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert name in out.stdout and "…" not in out.stdout
+    out = subprocess.run([sys.executable, "-m", "fedlang", "status", server.url, "--json"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    doc = json.loads(out.stdout)
+    assert [p["name"] for p in doc["populations"]] == sorted(["pop", name])
+    assert doc["enrollments"] == _enrollments(server)

@@ -8,6 +8,7 @@ command runs.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import os
 import pathlib
@@ -17,6 +18,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich import box
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -247,8 +249,13 @@ def status(
     url: Annotated[str, typer.Argument(metavar="URL", help="The server's URL.")],
     patience: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds to retry an unreachable server.")]
     = 5.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
 ) -> None:
-    """Print a server's status: rounds, check-ins, reports accepted and refused, dropouts."""
+    """Print a server's status: rounds, check-ins, reports accepted and refused, dropouts.
+
+    Written to a file or a pipe, the tables keep their full width (nothing is cut to the
+    80 columns of no terminal); --json prints the server's answer as it is.
+    """
     from fedlang.deploy.client import connection as http
 
     try:
@@ -257,7 +264,12 @@ def status(
         connection.close()
     except (http.ServerUnavailable, http.ServerError, ValueError) as e:
         console.fail(e)
-    console.out.print(status_tables(doc))
+    if as_json:
+        print(json.dumps(doc, indent=2))
+    elif console.out.is_terminal:
+        console.out.print(status_tables(doc))
+    else:  # a file or a pipe: as wide as the tables need, not 80 columns
+        Console(width=1000).print(status_tables(doc), crop=False)
 
 
 def status_tables(doc: dict[str, Any]) -> Table:
