@@ -102,14 +102,7 @@ class Folder:
             acc = accumulators[i]
             with np.errstate(all="ignore"):  # checked just below
                 acc.merge(partial)
-                leaves = structure.flatten(acc.partial(), self.aggregate_type.types[i])
-                if isinstance(acc, accumulate.Sum):  # a cast or a division: cheap
-                    leaves += structure.flatten(acc.result(), acc.member)
-            # the running sums (wider), and a sum's result in the values' own dtype (a
-            # float32 sum overflows long before its float64 running sum does); a NaN
-            # result is a weighted mean of zero weight, as the reference gives it
-            if any(np.asarray(leaf).dtype.kind in "fc" and np.any(np.isinf(leaf))
-                   for leaf in leaves):
+            if not _within_range(acc, self.aggregate_type.types[i]):
                 raise ReportError(
                     f"Expected a report the aggregate of aggregation {i} "
                     f"({self.plan.aggregations[i].uri}) stays finite with, found one that "
@@ -145,6 +138,30 @@ class Folder:
             if isinstance(t, types.StructType) and "count" in t.names:
                 return int(partial[t.names.index("count")])
         return None
+
+
+def _within_range(acc: Any, t: types.Type) -> bool:
+    """Whether an accumulator's running values are finite and, for a sum, fit the dtype
+    of the values it sums (a float32 sum's float64 total overflows its float32 result
+    long before it overflows itself). Two passes over each leaf (its min and max), no
+    copies: this runs for every report."""
+    leaves = [np.asarray(x) for x in structure.flatten(acc.partial(), t)]
+    bounds: list[float | None] = [None] * len(leaves)
+    if type(acc) is accumulate.Sum:  # its partial has its values' leaves, widened
+        bounds = [float(np.finfo(lt.dtype).max) if np.dtype(lt.dtype).kind == "f" else None
+                  for lt in acc.leaf_types]
+    for leaf, bound in zip(leaves, bounds):
+        if leaf.size == 0 or leaf.dtype.kind not in "fc":
+            continue
+        if leaf.dtype.kind == "c":
+            if not np.isfinite(leaf).all():
+                return False
+            continue
+        top = float(np.finfo(leaf.dtype).max) if bound is None else bound
+        lo, hi = leaf.min(), leaf.max()
+        if not (-top <= lo and hi <= top):  # NaN fails too
+            return False
+    return True
 
 
 def read_report(report: bytes, t: types.Type) -> Any:
