@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json
 import struct
+from collections.abc import Mapping
+from typing import Any
 
 API = "/v1"
 BLOB_HASH = r"^[0-9a-f]{64}$"  # blobs are named by the SHA-256 of their bytes, in hex
@@ -41,6 +44,19 @@ class SessionState(enum.StrEnum):
 
     OPEN = "open"
     CLOSED = "closed"
+
+
+TICKET_FIELDS = ("round", "kind", "plan", "broadcast", "version")
+
+
+def ticket_payload(task: Mapping[str, Any]) -> bytes:
+    """What the server signs of a task it hands out (the task's `ticket`): its round or
+    session, kind, signed plan's hash, broadcast's hash and version, as canonical JSON.
+    A client checks the ticket against the task before it downloads anything, so the
+    broadcast (the model's weights) is covered by the server's signature too, not only
+    named in the check-in's answer."""
+    return json.dumps({k: task.get(k) for k in TICKET_FIELDS}, sort_keys=True,
+                      separators=(",", ":")).encode()
 
 
 def blob_hash(data: bytes) -> str:

@@ -126,3 +126,24 @@ def test_status_prints_a_table(server_factory, client_threads):
         assert text in result.output
     unreachable = CliRunner().invoke(cli.app, ["status", "http://127.0.0.1:9", "--patience", "0.2"])
     assert unreachable.exit_code == 1 and "check that it runs" in unreachable.output
+
+
+def test_a_task_whose_broadcast_was_swapped_in_transit_is_not_run(server_factory, sum_round):
+    # Issue 23 item 6: the broadcast (the model's weights) was checked only against the
+    # hash the check-in named, which the plan's signature did not cover.
+    server = server_factory()
+    token = _population(server)
+    plan, broadcast = sum_round
+    with deploy.Admin(server.url, server.admin_token) as admin:
+        other = admin.put_blob(b"weights an attacker prefers")
+        admin.create_round("pop", admin.put_blob(plan.to_bytes()), admin.put_blob(broadcast),
+                           target=1)
+    with deploy.Client(server.url, "pop", token, {"train": [np.ones(3, np.float32)]}) as c:
+        c.enroll()
+        task = c.connection.json("POST", "/v1/checkin", token=c.credential)["task"]
+        for changed in ({**task, "broadcast": other}, {**task, "round": task["round"] + 1},
+                        {**task, "ticket": ""}, {**task, "ticket": "!!"}):
+            with pytest.raises(signing.SignatureError):
+                c.run_task(changed)
+        assert server.app_state.rounds.round(task["round"]).reports == 0  # nothing ran
+        assert c.run_task(task) is True

@@ -43,6 +43,7 @@ task runs.
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import logging
 import os
@@ -273,7 +274,13 @@ class Client:
 
     def run_task(self, task: Mapping[str, Any]) -> bool:
         """Runs one task and uploads the report (or, in a secure round, takes part in its
-        stages); returns whether the report (the masked input) was accepted."""
+        stages); returns whether the report (the masked input) was accepted.
+
+        Raises:
+          SignatureError: the task's ticket is missing or not the pinned key's signature
+            over this task (its plan, broadcast, round and version): nothing is run.
+        """
+        self._check_ticket(task)
         if task.get("kind") == protocol.TaskKind.BUFFERED:
             return self._run_buffered(task)
         round_plan = self._plan(task["plan"])
@@ -392,6 +399,22 @@ class Client:
         sp = round_plan.state
         if sp is not None and sp.writes and self.states is not None:
             self.states.commit(self.population, sp.name, sp.state_type, parts.state)
+
+    def _check_ticket(self, task: Mapping[str, Any]) -> None:
+        """The task is the one the server signed (so the broadcast it names, the model's
+        weights, is covered by the pinned key as the plan is)."""
+        assert self.pinned is not None  # set at enrollment, before any check-in
+        try:
+            ticket = base64.b64decode(task.get("ticket") or "", validate=True)
+        except binascii.Error as e:
+            raise signing.SignatureError(f"Expected a task ticket, found bad base64: {e}") from e
+        signed = signing.verify(ticket, self.pinned)
+        if signed != protocol.ticket_payload(task):
+            raise signing.SignatureError(
+                f"Expected the task the server signed, found another: the check-in's answer "
+                f"{protocol.ticket_payload(task)!r} differs from the signed "
+                f"{signed[:300]!r}; someone between this client and the server changed it."
+            )
 
     def _blob(self, h: str) -> bytes:
         if h not in self._blobs:

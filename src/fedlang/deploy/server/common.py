@@ -9,6 +9,7 @@ import fastapi
 from fastapi import responses
 from starlette import concurrency
 
+from fedlang.core import signing
 from fedlang.deploy import protocol
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.deploy.server import auth as auth_lib
@@ -130,18 +131,25 @@ def checkin(auth: auth_lib.Bearer, server: State) -> schemas.CheckinOut:
     if got is None:
         return schemas.CheckinOut(finished=True)
     if isinstance(got, rounds_lib.Task):
-        return schemas.CheckinOut(task=schemas.TaskOut(
+        return schemas.CheckinOut(task=_signed(server, schemas.TaskOut(
             round=got.round, plan=got.plan, broadcast=got.broadcast, deadline=got.deadline,
             seconds_left=max(0.0, got.deadline - server.store.clock()), kind=got.kind,
-        ))
+        )))
     buffered = server.sessions.checkin(client_id, population)  # no round: a session's task?
     if buffered is not None:
-        return schemas.CheckinOut(task=schemas.TaskOut(
+        return schemas.CheckinOut(task=_signed(server, schemas.TaskOut(
             round=buffered.session, plan=buffered.plan, broadcast=buffered.weights,
             deadline=0.0, seconds_left=0.0, kind=protocol.TaskKind.BUFFERED,
             version=buffered.version,
-        ))
+        )))
     return schemas.CheckinOut(retry_after=got)
+
+
+def _signed(server: State, task: schemas.TaskOut) -> schemas.TaskOut:
+    """The task with its ticket: the server's signature over what it names."""
+    payload = protocol.ticket_payload(task.model_dump())
+    task.ticket = plan_lib.b64(signing.sign(payload, server.key))
+    return task
 
 
 @router.get("/blobs/{blob}", tags=["client"], responses=routing.BINARY_RESPONSE,

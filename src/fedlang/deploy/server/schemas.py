@@ -165,6 +165,11 @@ class TaskOut(pydantic.BaseModel):
     version: int | None = pydantic.Field(
         default=None, description="A buffered task's model version (the weights are `broadcast`)."
     )
+    ticket: str = pydantic.Field(
+        default="", description="The server's signature over the task (base64 signed envelope of "
+        "protocol.ticket_payload: round, kind, plan, broadcast, version): verify it with the "
+        "pinned key before downloading the plan or the broadcast."
+    )
 
 
 class CheckinOut(pydantic.BaseModel):

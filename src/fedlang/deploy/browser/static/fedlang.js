@@ -617,8 +617,23 @@ export class FedlangClient {
     return this.tasksDone;
   }
 
+  // The task is the one the server signed: its ticket, verified with the pinned key,
+  // names the same round, kind, plan, broadcast (the model's weights) and version.
+  async checkTicket(task) {
+    const signed = JSON.parse(new TextDecoder().decode(
+      await verifySigned(fromBase64(task.ticket || ""), this.pinned)));
+    for (const field of ["round", "kind", "plan", "broadcast", "version"]) {
+      if ((signed[field] ?? null) !== (task[field] ?? null)) {
+        throw new FedlangError(`Expected the task the server signed, found another ${field} ` +
+          `(${task[field]} where the server signed ${signed[field]}); someone between this ` +
+          "page and the server changed it.");
+      }
+    }
+  }
+
   async runTask(task) {
     this.emit("task", { round: task.round, secondsLeft: task.seconds_left });
+    await this.checkTicket(task);
     const started = performance.now();
     const browserTask = await this.task(task.plan);
     const broadcast = await this.blob(task.broadcast);
