@@ -139,7 +139,8 @@ def _stall_bounded(receive: Receive, timeout: float) -> Receive:
         if whole:
             return await receive()
         try:
-            message = await asyncio.wait_for(receive(), timeout)
+            async with asyncio.timeout(timeout):  # a timer, not a task per chunk
+                message = await receive()
         except TimeoutError:
             raise protocol.Timeout(
                 f"Expected the request's body to go on arriving, found nothing for "

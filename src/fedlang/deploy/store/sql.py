@@ -41,15 +41,21 @@ class SQLite(Dialect):
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=60000")
-        # What is deleted is overwritten with zeros, not left on a free page for a copy
-        # of the file to show (a revoked credential's hash, a secret an older fedlang kept).
-        conn.execute("PRAGMA secure_delete=ON")
         return conn
 
     def begin(self, conn: Any, write: bool) -> None:
         # A write transaction takes SQLite's write lock at once, so two writers never
         # both read a round and then both try to change it.
         conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def secure_delete(tx: Tx, on: bool) -> None:
+    """On SQLite, makes what `tx` deletes from now on be overwritten with zeros instead of
+    left on a free page for a copy of the file to show (for secrets an older fedlang
+    kept). Off by default: zeroing every freed page would double the writes of each
+    report folded into a large aggregate."""
+    if isinstance(tx.dialect, SQLite):
+        tx.run(f"PRAGMA secure_delete={'ON' if on else 'OFF'}")
 
 
 class Postgres(Dialect):

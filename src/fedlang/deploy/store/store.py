@@ -151,7 +151,9 @@ class Store:
         zeroed, `secure_delete`, and the write-ahead log truncated). PostgreSQL keeps a
         deleted row's bytes until `VACUUM` reclaims them."""
         with self.transaction(write=True) as tx:
+            sql.secure_delete(tx, True)
             tx.run("DELETE FROM meta WHERE key = ?", (key,))
+            sql.secure_delete(tx, False)
         if isinstance(self.dialect, sql.SQLite):  # a checkpoint runs outside a transaction
             conn = self.dialect.connect()
             try:
@@ -168,7 +170,9 @@ class Store:
         with self.transaction(write=True) as tx:
             legacy = tx.one("SELECT value FROM meta WHERE key = 'admin_token'" + tx.dialect.lock_row)
             if legacy is not None:  # zeroed on SQLite (secure_delete); see delete_meta
+                sql.secure_delete(tx, True)
                 tx.run("DELETE FROM meta WHERE key = 'admin_token'")
+                sql.secure_delete(tx, False)
                 tx.run(
                     "INSERT INTO meta (key, value) VALUES ('admin_token_sha256', ?)"
                     " ON CONFLICT (key) DO NOTHING",
