@@ -23,7 +23,6 @@ import json
 import math
 import os
 import pathlib
-import resource
 import subprocess
 import sys
 import time
@@ -36,6 +35,8 @@ from fedlang import analytics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "bench"))
+import _memory  # noqa: E402
 import word_frequencies as wf  # noqa: E402
 
 EPSILONS = (1.0, 3.0, 10.0, math.inf)
@@ -139,29 +140,6 @@ def hyperloglog(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak() -> bool:
-    """Resets the kernel's peak RSS (VmHWM) of this process; False where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def cohort_child(cohort: int, method: str) -> dict[str, Any]:
     """Runs one round for `cohort` clients (in a fresh process); returns time and memory."""
     clients = wf.make_clients(cohort, 5000, seed=cohort)
@@ -183,12 +161,12 @@ def cohort_child(cohort: int, method: str) -> dict[str, Any]:
                 return comp(datasets)
 
         run(encoded.datasets[:64])  # compile, and let 'auto' decide
-        before = _rss_bytes()
-        reset = _reset_peak()  # the peak of the round alone, not of the compilation
+        before = _memory.rss_bytes()
+        reset = _memory.reset_peak()  # the peak of the round alone, not of the compilation
         start = time.perf_counter()
         run(encoded.datasets)
         seconds = time.perf_counter() - start
-        peak = _peak_bytes()
+        peak = _memory.peak_bytes()
     return {"cohort": cohort, "method": method, "seconds": seconds, "peak_reset": reset,
             "peak_above_before_mb": max(peak - before, 0) / 2**20,
             "data_mb": sum(b["bytes"].nbytes + b["length"].nbytes

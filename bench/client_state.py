@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import pathlib
-import resource
 import subprocess
 import sys
 import tempfile
@@ -28,28 +27,8 @@ import time
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+sys.path.insert(0, str(ROOT / "bench"))
+import _memory  # noqa: E402
 
 
 def child(clients: int, floats: int, mode: str) -> dict[str, Any]:
@@ -93,12 +72,12 @@ def child(clients: int, floats: int, mode: str) -> dict[str, Any]:
         lists.clear()
         rows = {}
         for name, scale in (("first", 1.0), ("second", 2.0)):
-            before = _rss_bytes()
-            reset = _reset_peak()
+            before = _memory.rss_bytes()
+            reset = _memory.reset_peak()
             start = time.perf_counter()
             mean = run(scale, ids)
             rows[name] = {"seconds": time.perf_counter() - start,
-                          "peak_above_before_mb": max(_peak_bytes() - before, 0) / 2**20,
+                          "peak_above_before_mb": max(_memory.peak_bytes() - before, 0) / 2**20,
                           "peak_reset": reset}
         expected = 0.9 * 1.0 + 2.0
         assert abs(float(np.asarray(mean)[0]) - expected) < 1e-5, mean
