@@ -249,7 +249,8 @@ def status(
     url: Annotated[str, typer.Argument(metavar="URL", help="The server's URL.")],
     patience: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds to retry an unreachable server.")]
     = 5.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json/--tables", help="Print the status as JSON.")]
+    = False,
 ) -> None:
     """Print a server's status: rounds, check-ins, reports accepted and refused, dropouts.
 
