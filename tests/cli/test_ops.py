@@ -4,9 +4,11 @@ following a round live, stopping a round and a session."""
 
 import contextlib
 import json
+import logging
 import signal
 import subprocess
 import sys
+import threading
 
 import httpx
 import numpy as np
@@ -18,7 +20,7 @@ from fedlang.core import context, serialization
 from fedlang.deploy.plans import buffered as buffered_plan
 from fedlang.deploy.plans import execution
 
-from ._run import ENV, fedlang, fedlang_all
+from ._run import ENV, fedlang, fedlang_all, fedlang_in_terminal
 
 WIDE = "a-population-whose-name-makes-the-row-wider-than-80-columns"
 
@@ -205,3 +207,40 @@ def test_stop_session_closes_it(operated):
     assert o.checkin(o.clients[1]).get("task") is None  # no more tasks
     status, out, _ = fedlang("sessions", o.server.url, *o.token_args)
     assert status == 0 and f"{sid}" in out and "closed" in out
+
+
+def test_follow_shows_a_progress_bar_in_a_terminal(operated):
+    o = operated
+    r = o.open_round(target=2)
+    asked = threading.Event()
+
+    class Asked(logging.Handler):  # the follower's first look at the round
+        def emit(self, record):
+            if getattr(record, "path", "") == f"/v1/admin/rounds/{r['id']}":
+                asked.set()
+
+    log = logging.getLogger("fedlang.deploy.server.requests")
+    handler, level = Asked(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    result = {}
+    follower = threading.Thread(target=lambda: result.update(zip(
+        ("status", "screen"),
+        fedlang_in_terminal("follow", o.server.url, str(r["id"]), *o.token_args))))
+    follower.start()
+    try:
+        assert asked.wait(60), "the follower never asked for the round"
+        for c in o.clients[:2]:
+            o.checkin(c)
+            assert o.report(c, r["id"]).status_code == 200
+    finally:
+        if o.admin.round(r["id"])["state"] == "open":  # (a failure above) the follower ends
+            o.admin.stop_round(r["id"])
+        follower.join(timeout=120)
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert result["status"] == 0, result
+    screen = result["screen"]
+    assert any("open: 0/2 reports" in line and "0/2" in line.split("reports")[-1] for line in screen), screen
+    assert any(f"round {r['id']} closed: 2/2 reports" in line for line in screen), screen
+    assert screen[-1].startswith(f"round {r['id']} closed with 2 reports in"), screen
