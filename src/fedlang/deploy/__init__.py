@@ -17,6 +17,10 @@ for them (`BufferedPlan` is the task they run).
 The task store's server (`Server`), its clients (`Client`) and the driver's transport
 (`ServerRounds`, `deployment_context`, `BufferedDriver`) need the `deploy` extra (FastAPI, uvicorn,
 httpx); they are imported on first use, so the rest works without it.
+
+Operators watch a deployment through the server (docs/deploy.md, "Watching a
+deployment"); a driver releases each round's metrics there (`release_metrics`,
+`ServerMetricsWriter` for the experiment driver, `ServerRounds.release_metrics`).
 """
 
 import importlib as _importlib
@@ -51,6 +55,8 @@ _LAZY = {
     "Pace": "store.store",
     "BufferedDriver": "driver.buffered",
     "BufferedPlan": "plans.buffered",
+    "release_metrics": "driver.metrics",
+    "ServerMetricsWriter": "driver.metrics",
 }
 
 

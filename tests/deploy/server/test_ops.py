@@ -11,6 +11,7 @@ from fedlang import deploy
 from fedlang.deploy.driver import metrics as driver_metrics
 from fedlang.deploy.store import metrics as store_metrics
 
+from ..conftest import capture, secure_and_plain
 from ._deployment import API, Deployment
 from .conftest import bearer
 
@@ -135,6 +136,26 @@ def test_an_operator_stops_a_round(deployment):
     assert again == {**stopped, "late": 1}  # but the late report was counted
     r404 = d.http.post(f"{API}/admin/rounds/999/stop", headers=d.admin)
     assert r404.status_code == 404
+
+
+def test_stopping_a_secure_round_keeps_nothing_of_its_protocol(deployment):
+    d = deployment
+    plan, broadcast = capture(secure_and_plain, deploy.client_data("d"))
+
+    def blob(data):
+        return d.http.post(f"{API}/admin/blobs", content=data, headers=d.admin).json()["hash"]
+
+    r = d.post("/admin/rounds", json={"population": "pop", "plan": blob(plan.to_bytes()),
+                                      "broadcast": blob(broadcast), "target": 3})
+    assert r["kind"] == "secure"
+    for c in d.clients:
+        assert d.checkin(c)["task"]["kind"] == "secure"
+    stopped = d.post(f"/admin/rounds/{r['id']}/stop")
+    assert stopped["state"] == "failed" and "stopped by the operator" in stopped["failure"]
+    assert stopped["dropped"] == 3
+    with d.server.store.transaction() as tx:
+        assert tx.one("SELECT COUNT(*) FROM secure_requests WHERE round = ?", (r["id"],))[0] == 0
+        assert tx.one("SELECT stage FROM secure_rounds WHERE round = ?", (r["id"],))[0] == 6  # failed
 
 
 def test_prometheus_metrics_need_the_admin_token_and_count_as_the_api(deployment):
