@@ -17,6 +17,7 @@ import importlib.util
 import os
 import pathlib
 import shutil
+import sys
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -30,6 +31,7 @@ def _assets():
     # this module imports only the standard library.
     spec = importlib.util.spec_from_file_location("_fedlang_npm_assets", ASSETS)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 

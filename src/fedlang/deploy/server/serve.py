@@ -266,6 +266,8 @@ class Server:
       browser: also serve the browser client (`/browser/fedlang.js` and onnxruntime-web,
         `fedlang.deploy.browser.routes`).
       demo_page: also serve the demo page at `/demo/` (implies `browser`).
+      dashboard: serve the operator's dashboard at `/dashboard/` (`server.dashboard`;
+        its data needs the admin token).
       log_level: uvicorn's log level.
       access_log: log one line per request (uvicorn's access log: method, path, status;
         never a body).
@@ -294,6 +296,7 @@ class Server:
         log_level: str = "warning",
         browser: bool = False,
         demo_page: bool = False,
+        dashboard: bool = True,
         access_log: bool = False,
         limits: Limits | None = None,
     ):
@@ -320,6 +323,10 @@ class Server:
                 from fedlang.deploy.browser import routes
 
                 routes.mount(self.app, demo=demo_page)
+            if dashboard:
+                from fedlang.deploy.server import dashboard as dashboard_lib
+
+                dashboard_lib.mount(self.app)
             protocol = type("HeaderTimeout", (HeaderTimeout,),
                             {"header_timeout": limits.header_timeout})
             self._config = uvicorn.Config(
