@@ -5,6 +5,7 @@ import contextlib
 
 import pytest
 
+from fedlang.deploy.store import metrics as metrics_lib
 from fedlang.deploy.store import rounds as rounds_lib
 from fedlang.deploy.store import schema, sql
 from fedlang.deploy.store import sessions as sessions_lib
@@ -144,6 +145,26 @@ def test_a_version_1_database_opens_with_its_rounds_and_buffered_sessions(db_url
         assert sessions_lib.Sessions(reopened).session(1).version == 1
     finally:
         reopened.close()
+
+
+def test_a_version_5_database_gains_released_metrics_and_refusals_by_task(db_url):
+    store = store_lib.Store(db_url)
+    store.create_population("pop")
+    store.close()
+    with raw(db_url) as tx:  # as version 5 left it: without the tables of version 6
+        tx.run("DROP TABLE released_metrics")
+        tx.run("DROP TABLE task_refusals")
+        tx.run("UPDATE meta SET value = ? WHERE key = 'schema'", (b"5",))
+    store = store_lib.Store(db_url)
+    try:
+        assert stored_version(db_url) == str(schema.VERSION).encode()
+        assert [p["name"] for p in store.populations()] == ["pop"]
+        assert metrics_lib.release(store, "pop", 1, {"train": {"loss": 0.5}}) == 1
+        assert [m["value"] for m in metrics_lib.released(store, "pop")] == [0.5]
+        store.count_refusal("late", task="round:1")
+        assert metrics_lib.refusals(store, ["round:1"]) == {"round:1": {"late": 1}}
+    finally:
+        store.close()
 
 
 def test_a_new_database_is_at_the_current_version(db_url):

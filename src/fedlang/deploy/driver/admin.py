@@ -79,6 +79,41 @@ class Admin:
             "GET", f"{protocol.API}/admin/rounds/{round_id}/aggregate", token=self.token
         ).content
 
+    # -- watching a deployment (server/ops.py)
+
+    def release_metrics(self, population: str, round_num: int, metrics: Any) -> int:
+        """Releases round `round_num`'s metrics of `population` (`{kind: {name: number}}`,
+        e.g. `{"train": {"loss": 0.3}, "eval": {...}}`; deeper mappings become `a/b`
+        names) for the dashboard; returns how many were stored. Releasing a round again
+        replaces its values."""
+        body = {"round": int(round_num), "metrics": metrics}
+        return int(self._json("POST", f"/admin/populations/{population}/metrics", json=body)["stored"])
+
+    def released_metrics(self, population: str, since: float | None = None) -> list[dict[str, Any]]:
+        """The released metrics of `population` (`round`, `kind`, `name`, `value`,
+        `released`), those released after `since` when given."""
+        params = {} if since is None else {"since": since}
+        return self._json("GET", f"/admin/populations/{population}/metrics", params=params)["metrics"]
+
+    def overview(self, rounds: int = 20, sessions: int = 10) -> dict[str, Any]:
+        """Populations, the latest rounds and sessions with their progress, the totals and
+        the rates of the last hour (`GET /v1/admin/overview`)."""
+        return self._json("GET", "/admin/overview", params={"rounds": rounds, "sessions": sessions})
+
+    def stop_round(self, round_id: int) -> dict[str, Any]:
+        """Ends an open round now, as failed; returns its row."""
+        return self._json("POST", f"/admin/rounds/{round_id}/stop")
+
+    def close_session(self, session_id: int) -> dict[str, Any]:
+        """Closes a buffered session (no more tasks); returns its row."""
+        return self._json("POST", f"/admin/sessions/{session_id}/close")
+
+    def session(self, session_id: int, wait: float = 0.0, seen: int = -1) -> dict[str, Any]:
+        return self._json(
+            "GET", f"/admin/sessions/{session_id}", params={"wait": wait, "seen": seen},
+            timeout=(self.connection.http.timeout.read or 60.0) + wait,
+        )
+
     def status(self) -> dict[str, Any]:
         return self.connection.json("GET", f"{protocol.API}/status")
 

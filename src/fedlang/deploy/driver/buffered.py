@@ -29,6 +29,7 @@ from fedlang.core import processes, serialization
 from fedlang.deploy import protocol
 from fedlang.deploy.client import connection as connection_lib
 from fedlang.deploy.driver import admin as admin_lib
+from fedlang.deploy.driver import metrics as metrics_lib
 from fedlang.deploy.plans import buffered as buffered_plan
 
 
@@ -55,6 +56,8 @@ class BufferedDriver:
       session: resume this session (default: the one made for `request_id`, or a new one).
       request_id: names the session, so a restarted driver resumes it.
       patience: seconds to keep retrying while the server is unreachable.
+      release: release each server step's metrics to the server (for the dashboard;
+        `driver.metrics`), with the version as the round.
       connection: more options of `connection.Connection`.
     """
 
@@ -69,9 +72,11 @@ class BufferedDriver:
         session: int | None = None,
         request_id: str | None = None,
         patience: float = 300.0,
+        release: bool = True,
         **connection: Any,
     ):
         self.process = process
+        self.release = release
         self.connection = connection_lib.Connection(url, patience=patience, **connection)
         self.admin = admin_lib.Admin(self.connection, admin_token)
         self.token = admin_token
@@ -220,6 +225,8 @@ class BufferedDriver:
         self.applied_through = self.folded_through
         self.steps.append(Step(self.version, self.folded_through, metrics,
                                time.perf_counter() - start))
+        if self.release and (form := metrics_lib.release_form(metrics)):
+            self.admin.release_metrics(self.population, self.version, form)
 
     def run(
         self,

@@ -2,7 +2,8 @@
 the tick that closes rounds and stages whose time is up.
 
 `create_app(state)` includes the routers of `common` (populations, blobs, enrollment,
-check-in, status), `rounds`, `secure` and `sessions`; each route module exports its
+check-in, status), `rounds`, `secure`, `sessions` and `ops` (the operator's: released
+metrics, the overview, `/metrics`); each route module exports its
 `router` and reads the server's state through `routing.State`. Nothing imports this
 module but `serve`. Every endpoint is under `/v1` and described in the OpenAPI schema the
 server serves at `/openapi.json`; docs/deploy.md is the prose contract.
@@ -20,10 +21,21 @@ from fastapi import responses
 from starlette import concurrency
 
 from fedlang.deploy import protocol
-from fedlang.deploy.server import common, guard, rounds, routing, schemas, secure, sessions
+from fedlang.deploy.server import (
+    common,
+    guard,
+    ops,
+    rounds,
+    routing,
+    schemas,
+    secure,
+    sessions,
+    telemetry,
+)
 from fedlang.deploy.server import state as state_lib
 
-ROUTERS = (common.router, rounds.router, secure.router, sessions.router)
+ROUTERS = (common.router, rounds.router, secure.router, sessions.router, ops.router,
+           ops.metrics_router)
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorOut, "description": e.__doc__ or ""}
     for status, e in protocol.ERRORS.items()
@@ -73,4 +85,5 @@ def create_app(
         if isinstance(r, fastapi.routing.APIRoute) and r.openapi_extra == routing.BINARY_BODY
     ]
     app.add_middleware(guard.Guard, server=server, binary=binary, body_timeout=body_timeout)
+    app.add_middleware(telemetry.Observe, telemetry=server.telemetry)  # outermost: request ids
     return app

@@ -16,7 +16,7 @@ So no request without a credential costs the server more than its headers and
 `JSON_LIMIT` bytes, and the answer to a tokenless admin request is 401 whatever its body
 (counted as `refused:admin_unauthorized`). Every other admin request that may change
 something (not GET) is recorded in the audit table with its answer's status
-(`Store.audit`, read at `GET /v1/admin/audit`).
+(`Store.audit`, read at `GET /v1/admin/audit`), and logged.
 
 A body that stalls (nothing of it arrives for `body_timeout` seconds, e.g. an upload
 sent half and held) is answered 408 and its connection closed, for every route: the
@@ -27,6 +27,7 @@ the server's own: `serve.HeaderTimeout`.)
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable
 
 from fastapi import responses, routing
@@ -41,6 +42,7 @@ from fedlang.deploy.server import state as state_lib
 # The largest body of a JSON route: every one holds a few names, hashes and numbers.
 JSON_LIMIT = 64 << 10
 ADMIN = f"{protocol.API}/admin/"
+audit_log = logging.getLogger("fedlang.deploy.server.audit")
 
 
 def refusal(e: protocol.ProtocolError) -> responses.JSONResponse:
@@ -99,6 +101,11 @@ class Guard:
         remote = f"{client[0]}:{client[1]}" if client else ""
         await concurrency.run_in_threadpool(
             self.server.store.audit, scope["method"], scope["path"], status, remote)
+        audit_log.info(  # and in the server's log, with the request's id
+            "admin action: %s %s answered %d (from %s)", scope["method"], scope["path"], status,
+            remote, extra={"audit": True, "method": scope["method"], "path": scope["path"],
+                           "status": status, "remote": remote},
+        )
 
     def _reads_own_body(self, scope: Scope) -> bool:
         return any(r.matches(scope)[0] == starlette_routing.Match.FULL for r in self.binary)

@@ -9,6 +9,7 @@ from typing import Any
 from fedlang.core import signing
 from fedlang.deploy.plans import cache
 from fedlang.deploy.plans import round as plan_lib
+from fedlang.deploy.server import telemetry as telemetry_lib
 from fedlang.deploy.store import rounds as rounds_lib
 from fedlang.deploy.store import secure as secure_lib
 from fedlang.deploy.store import sessions as sessions_lib
@@ -47,6 +48,7 @@ class ServerState:
         self.rounds = rounds_lib.Rounds(store)
         self.secure = secure_lib.SecureRounds(self.rounds, self.verified.folder)
         self.sessions = sessions_lib.Sessions(store)  # buffered (FedBuff) sessions
+        self.telemetry = telemetry_lib.Telemetry(store)  # /metrics, rates, request logs
 
     def close_due(self) -> None:
         """Closes the rounds, and the secure rounds' stages, whose time is up."""
@@ -57,8 +59,6 @@ class ServerState:
         """What `GET /v1/status` shows: counters, populations, the latest rounds and
         sessions; without `hashes` (a caller without the admin token), the rounds'
         plan and broadcast hashes are left out (null)."""
-        counters = self.store.counters()
-        refused = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("refused:")}
         return {
             "server": {"version": VERSION, "public_key": plan_lib.b64(self.public_key)},
             "populations": self.store.populations(),
@@ -66,16 +66,24 @@ class ServerState:
                 r.to_json() if hashes else {**r.to_json(), "plan": None, "broadcast": None}
                 for r in self.rounds.rounds()
             ],
-            "enrollments": counters.get("enrollments", 0),
-            "checkins": counters.get("checkins", 0),
-            "assignments": counters.get("assignments", 0),
-            "reports": {
-                "accepted": counters.get("reports:accepted", 0),
-                "refused": refused,
-                "late": refused.get("late", 0),
-            },
-            "dropouts": counters.get("dropouts", 0),
-            "rounds_closed": counters.get("rounds:closed", 0),
-            "rounds_failed": counters.get("rounds:failed", 0),
+            **totals(self.store.counters()),
             "sessions": [self.sessions.status(s) for s in self.sessions.sessions()],
         }
+
+
+def totals(counters: dict[str, int]) -> dict[str, Any]:
+    """The store's counters as `GET /v1/status` (and the overview) show them."""
+    refused = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("refused:")}
+    return {
+        "enrollments": counters.get("enrollments", 0),
+        "checkins": counters.get("checkins", 0),
+        "assignments": counters.get("assignments", 0),
+        "reports": {
+            "accepted": counters.get("reports:accepted", 0),
+            "refused": refused,
+            "late": refused.get("late", 0),
+        },
+        "dropouts": counters.get("dropouts", 0),
+        "rounds_closed": counters.get("rounds:closed", 0),
+        "rounds_failed": counters.get("rounds:failed", 0),
+    }

@@ -306,6 +306,19 @@ class Rounds:
             )
         end_round(tx, r.id, state, failure, now)
 
+    def stop(self, round_id: int, failure: str) -> Round:
+        """Ends round `round_id` now as failed with `failure` (the operator stopped it),
+        if it is open; returns its row.
+
+        Raises:
+          NotFound: no such round.
+        """
+        with self.store.transaction(write=True) as tx:
+            r = self.round_in(tx, round_id, lock=True)
+            if r.state == OPEN:
+                end_round(tx, r.id, FAILED, failure, self.store.clock())
+            return self.round_in(tx, round_id)
+
     def close_due(self) -> int:
         """Closes or fails the open plain rounds whose deadline passed; returns how many.
         (Secure rounds close by their stages: `secure.SecureRounds.close_due`.)"""
@@ -421,5 +434,6 @@ class Rounds:
         `refused`)."""
         column = "late" if reason == "late" else "refused"
         self.store.count_refusal(
-            reason, (f"UPDATE rounds SET {column} = {column} + 1 WHERE id = ?", (round_id,))
+            reason, (f"UPDATE rounds SET {column} = {column} + 1 WHERE id = ?", (round_id,)),
+            task=f"round:{round_id}",
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from fedlang.deploy.store import sql
 
-VERSION = 5
+VERSION = 6
 
 TABLES = [
     # What every mode shares (store.py).
@@ -82,6 +82,15 @@ TABLES = [
     "CREATE TABLE IF NOT EXISTS buffered_tasks (session {int} NOT NULL, client TEXT NOT NULL,"
     " version {int} NOT NULL, state TEXT NOT NULL, assigned {real} NOT NULL,"
     " PRIMARY KEY (session, client, version))",
+    # What an operator watches (metrics.py): the metrics the driver released per round
+    # (or buffered session version), and each task's refused uploads by reason.
+    "CREATE TABLE IF NOT EXISTS released_metrics (population TEXT NOT NULL, round {int} NOT NULL,"
+    " kind TEXT NOT NULL, name TEXT NOT NULL, value {real} NOT NULL, released {real} NOT NULL,"
+    " PRIMARY KEY (population, round, kind, name))",
+    "CREATE INDEX IF NOT EXISTS released_metrics_by_time ON released_metrics"
+    " (population, released)",
+    "CREATE TABLE IF NOT EXISTS task_refusals (task TEXT NOT NULL, reason TEXT NOT NULL,"
+    " count {int} NOT NULL, PRIMARY KEY (task, reason))",
     "CREATE TABLE IF NOT EXISTS buffered_reports (session {int} NOT NULL, seq {int} NOT NULL,"
     " client TEXT NOT NULL, version {int} NOT NULL, staleness {int} NOT NULL,"
     " digest TEXT NOT NULL, size {int} NOT NULL, data {blob} NOT NULL, accepted {real} NOT NULL,"
@@ -108,6 +117,8 @@ MIGRATIONS: dict[int, list[str]] = {
     3: [],
     # 4 -> 5: single-use device tokens (`device_tokens`, created as any missing table).
     4: [],
+    # 5 -> 6: released metrics and refusals by task (`released_metrics`, `task_refusals`).
+    5: [],
 }
 
 

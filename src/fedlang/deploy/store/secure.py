@@ -259,6 +259,18 @@ class SecureRounds:
 
     # -- closing stages
 
+    def stop(self, round_id: int, failure: str) -> None:
+        """Ends secure round `round_id` now as failed with `failure` (the operator stopped
+        it), if it is open: nothing of its protocol is kept.
+
+        Raises:
+          NotFound: no such round.
+        """
+        with self.store.transaction(write=True) as tx:
+            r = self.rounds.round_in(tx, round_id, lock=True)
+            if r.state == OPEN:
+                self._fail(tx, r, Stage(r.stage), failure, self.store.clock())
+
     def close_due(self) -> int:
         """Closes the stages whose timeout passed, and fails or finishes the rounds whose
         deadline passed; returns how many rounds it looked at."""

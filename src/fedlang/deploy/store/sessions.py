@@ -355,7 +355,7 @@ class Sessions:
                 "UPDATE buffered_sessions SET refused_stale = refused_stale + 1 WHERE id = ?",
                 (session_id,),
             )
-        self.store.count_refusal(reason, update)
+        self.store.count_refusal(reason, update, task=f"session:{session_id}")
 
     # -- status
 

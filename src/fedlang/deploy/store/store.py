@@ -87,6 +87,8 @@ class Store:
         self._all: list[Any] = []
         self._lock = threading.Lock()
         self._rng = random.Random()
+        # Called with (write, seconds) after each transaction (the server's telemetry).
+        self.on_transaction: Callable[[bool, float], None] | None = None
         try:
             with self.transaction(write=True) as tx:
                 schema.install(tx)
@@ -98,8 +100,10 @@ class Store:
 
     @contextlib.contextmanager
     def transaction(self, write: bool = False) -> Iterator[sql.Tx]:
-        """A transaction: committed if the block ends normally, rolled back otherwise."""
+        """A transaction: committed if the block ends normally, rolled back otherwise;
+        `on_transaction` is told how long it took."""
         self._slots.acquire()
+        start = time.perf_counter()
         try:
             try:
                 conn = self._idle.get_nowait()
@@ -122,6 +126,8 @@ class Store:
             self._idle.put(conn)
         finally:
             self._slots.release()
+            if self.on_transaction is not None:
+                self.on_transaction(write, time.perf_counter() - start)
 
     def _discard(self, conn: Any) -> None:
         with self._lock:
@@ -464,12 +470,20 @@ class Store:
             return self.pace.retry_after(population_size, self._rng)
 
     def count_refusal(
-        self, reason: str, update: tuple[str, tuple[Any, ...]] | None = None
+        self, reason: str, update: tuple[str, tuple[Any, ...]] | None = None,
+        task: str | None = None,
     ) -> None:
-        """Counts a refused request (`refused:REASON`) and runs `update` (a query and its
+        """Counts a refused request (`refused:REASON`; for a `task`, `round:ID` or
+        `session:ID`, also in `task_refusals`) and runs `update` (a query and its
         parameters: a mode's own counter of the task refused), in one transaction."""
         with self.transaction(write=True) as tx:
             tx.count(f"refused:{reason}")
+            if task is not None:
+                tx.run(
+                    "INSERT INTO task_refusals (task, reason, count) VALUES (?, ?, 1)"
+                    " ON CONFLICT (task, reason) DO UPDATE SET count = task_refusals.count + 1",
+                    (task, reason),
+                )
             if update is not None:
                 tx.run(*update)
 

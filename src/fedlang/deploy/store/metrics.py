@@ -1,0 +1,162 @@
+"""What an operator watches, in the task store: the metrics a driver released per round,
+each task's refused uploads by reason, and the queries the overview and `/metrics` read.
+
+A driver **releases** a round's metrics (training and evaluation, or any other kind) to
+the server after the round (TFF's release managers; `driver.admin.Admin.release_metrics`):
+one row per (population, round, kind, name) in `released_metrics`, so releasing a round's
+metrics again replaces them. A buffered session releases per model version (its
+`round` is the version). Values are finite numbers; nested names are flattened with `/`
+(`{"train": {"client": {"loss": 1}}}` is kind `train`, name `client/loss`).
+
+Refusals are counted globally (`counters`, `refused:REASON`); `task_refusals` also
+counts them per task (`round:ID`, `session:ID`) and reason (`Store.count_refusal`), for
+the overview's rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from fedlang.deploy import protocol
+from fedlang.deploy.store import sql
+from fedlang.deploy.store import store as store_lib
+
+MAX_NAME = 200  # the longest kind or metric name (characters)
+MAX_DEPTH = 8  # the deepest nesting of names under a kind
+
+
+def flatten(metrics: Mapping[str, Any]) -> list[tuple[str, str, float]]:
+    """(kind, name, value) of each metric of `{kind: {name: value or {...}}}`, deeper
+    mappings flattened into `a/b` names.
+
+    Raises:
+      ValueError: a kind that is not a mapping, a value that is not a finite number (a
+        bool is not one), a name longer than `MAX_NAME` or nested deeper than
+        `MAX_DEPTH`; the message names the key.
+    """
+    if not isinstance(metrics, Mapping):
+        raise ValueError(
+            f"Expected metrics as {{kind: {{name: number}}}}, found {type(metrics).__name__}."
+        )
+    out: list[tuple[str, str, float]] = []
+
+    def walk(kind: str, node: Any, prefix: str, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise ValueError(
+                f"Expected metric names nested at most {MAX_DEPTH} deep, found "
+                f"{kind}/{prefix[:60]!r}... deeper."
+            )
+        for key, value in node.items():
+            name = f"{prefix}/{key}" if prefix else str(key)
+            where = f"{kind}/{name}"
+            if len(name) > MAX_NAME:
+                raise ValueError(
+                    f"Expected metric names of at most {MAX_NAME} characters, found {where[:60]!r}..."
+                )
+            if isinstance(value, Mapping):
+                walk(kind, value, name, depth + 1)
+            elif isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(
+                    f"Expected a number for metric {where!r}, found {type(value).__name__}."
+                )
+            elif not math.isfinite(value):
+                raise ValueError(f"Expected a finite number for metric {where!r}, found {value!r}.")
+            else:
+                out.append((kind, name, float(value)))
+
+    for kind, values in metrics.items():
+        if not isinstance(values, Mapping):
+            raise ValueError(
+                f"Expected the metrics of kind {kind!r} as {{name: number}}, found "
+                f"{type(values).__name__}; put it under a kind, e.g. {{'train': {{{kind!r}: ...}}}}."
+            )
+        if not 0 < len(str(kind)) <= MAX_NAME:
+            raise ValueError(f"Expected a kind of 1 to {MAX_NAME} characters, found {kind!r}.")
+        walk(str(kind), values, "", 1)
+    return out
+
+
+def release(
+    store: store_lib.Store, population: str, round_num: int, metrics: Mapping[str, Any]
+) -> int:
+    """Stores the metrics of round `round_num` of `population` (replacing those of the same
+    round, kind and name); returns how many.
+
+    Raises:
+      ValueError: see `flatten`.
+      NotFound: no such population.
+    """
+    rows = flatten(metrics)
+    with store.transaction(write=True) as tx:
+        _population(tx, population)
+        now = store.clock()
+        for kind, name, value in rows:
+            tx.run(
+                "INSERT INTO released_metrics (population, round, kind, name, value, released)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (population, round, kind, name)"
+                " DO UPDATE SET value = excluded.value, released = excluded.released",
+                (population, round_num, kind, name, value, now),
+            )
+    return len(rows)
+
+
+def released(
+    store: store_lib.Store, population: str, since: float | None = None
+) -> list[dict[str, Any]]:
+    """The released metrics of `population` (released after `since`, when given), by
+    round, kind and name.
+
+    Raises:
+      NotFound: no such population.
+    """
+    query = "SELECT round, kind, name, value, released FROM released_metrics WHERE population = ?"
+    params: tuple[Any, ...] = (population,)
+    if since is not None:
+        query, params = query + " AND released > ?", (*params, since)
+    with store.transaction() as tx:
+        _population(tx, population)
+        rows = tx.all(query + " ORDER BY round, kind, name", params)
+    keys = ("round", "kind", "name", "value", "released")
+    return [dict(zip(keys, row)) for row in rows]
+
+
+def _population(tx: sql.Tx, name: str) -> None:
+    if tx.one("SELECT 1 FROM populations WHERE name = ?", (name,)) is None:
+        raise protocol.NotFound(f"Expected an existing population, found {name!r}.")
+
+
+def refusals(store: store_lib.Store, tasks: Iterable[str]) -> dict[str, dict[str, int]]:
+    """The refused uploads of each of `tasks` by reason (`{}` for a task with none)."""
+    wanted = list(tasks)
+    out: dict[str, dict[str, int]] = {t: {} for t in wanted}
+    if not wanted:
+        return out
+    marks = ", ".join("?" * len(wanted))
+    with store.transaction() as tx:
+        rows = tx.all(
+            f"SELECT task, reason, count FROM task_refusals WHERE task IN ({marks})"
+            " ORDER BY task, reason",
+            tuple(wanted),
+        )
+    for task, reason, count in rows:
+        out[task][reason] = int(count)
+    return out
+
+
+def seen_since(store: store_lib.Store, since: float) -> dict[str, int]:
+    """Each population's enrolled clients that checked in after time `since`."""
+    with store.transaction() as tx:
+        rows = tx.all(
+            "SELECT population, COUNT(*) FROM clients WHERE last_seen > ? GROUP BY population",
+            (since,),
+        )
+    return {str(p): int(n) for p, n in rows}
+
+
+def round_durations(store: store_lib.Store) -> list[float]:
+    """The seconds each ended round (closed or failed) took, from its creation."""
+    with store.transaction() as tx:
+        rows = tx.all("SELECT closed - created FROM rounds WHERE closed IS NOT NULL")
+    return [float(d) for (d,) in rows]
