@@ -4,6 +4,7 @@
 
 let uPlot = null;
 const PALETTE = ['#1f6feb', '#bf8700', '#8250df', '#1a7f37', '#cf222e', '#57606a'];
+const WHOLE = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000];
 const COLORS = {train: PALETTE[0], eval: PALETTE[1], checkins: PALETTE[0], reports: PALETTE[3]};
 
 export async function load() {
@@ -29,9 +30,11 @@ export function join(tables) {
 // A line chart whose series may change: `update(names, data)` redraws it, remaking the
 // plot when the series' names differ from the last ones.
 export class Chart {
-  constructor(container, {xLabel, yLabel = '', time = false, width = 460, height = 220}) {
+  // `xRange`: () => [min, max] of the x axis (default: the data's); `time`: x in epoch
+  // seconds; otherwise x counts rounds, ticked at whole numbers.
+  constructor(container, {xLabel, yLabel = '', time = false, xRange = null, width = 460, height = 220}) {
     this.container = container;
-    this.options = {xLabel, yLabel, time, width, height};
+    this.options = {xLabel, yLabel, time, xRange, width, height};
     this.names = null;
     this.plot = null;
     this.data = null;
@@ -46,11 +49,12 @@ export class Chart {
     }
     if (this.plot !== null) this.plot.destroy();
     this.names = names;
-    const {xLabel, yLabel, time, width, height} = this.options;
+    const {xLabel, yLabel, time, xRange, width, height} = this.options;
     this.plot = new uPlot({
       width, height,
-      scales: {x: {time}},
-      axes: [{label: xLabel}, {label: yLabel}],
+      legend: {live: false},
+      scales: {x: xRange === null ? {time} : {time, range: () => xRange()}},
+      axes: [time ? {label: xLabel} : {label: xLabel, incrs: WHOLE}, {label: yLabel}],
       series: [
         {label: xLabel},
         ...names.map((name, i) => ({

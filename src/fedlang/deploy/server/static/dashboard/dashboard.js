@@ -52,20 +52,17 @@ function refused(byReason) {
 }
 
 function elapsed(item) {
-  // the server's duration; for what is still open, the time since it was created
-  if (typeof item.duration === 'number') return duration(item.duration);
-  if (item.state === 'open' && typeof item.created === 'number') {
-    return `${duration(Math.max(0, Date.now() / 1000 - item.created))} so far`;
-  }
-  return '';
+  // the server's duration: to its end, or to now while open
+  return item.state === 'open' ? `${duration(item.duration)} so far` : duration(item.duration);
 }
 
-function cell(content, {field = null, cls = null} = {}) {
+function cell(content, {field = null, cls = null, title = null} = {}) {
   const td = document.createElement('td');
-  if (content instanceof Node) td.append(...(Array.isArray(content) ? content : [content]));
+  if (content instanceof Node) td.append(content);
   else td.textContent = String(content ?? '');
   if (field) td.dataset.field = field;
   if (cls) td.className = cls;
+  if (title) td.title = title;
   return td;
 }
 
@@ -109,10 +106,10 @@ function showRounds(rounds) {
     const tr = document.createElement('tr');
     tr.dataset.round = r.id;
     tr.append(cell(r.id, {field: 'id'}), cell(r.population, {field: 'population'}),
-              cell(r.state, {field: 'state', cls: `state-${r.state}`}),
+              cell(r.state, {field: 'state', cls: `state-${r.state}`, title: r.failure || null}),
               cell(progress(r.reports, r.target), {field: 'reports'}),
               cell(r.dropouts, {field: 'dropouts', cls: 'num'}), cell(r.late, {field: 'late', cls: 'num'}),
-              cell(refused(r.refused), {field: 'refused'}), cell(elapsed(r), {field: 'duration'}));
+              cell(refused(r.refused_by_reason), {field: 'refused'}), cell(elapsed(r), {field: 'duration'}));
     return tr;
   }), 'No rounds yet.');
 }
@@ -122,13 +119,11 @@ function showSessions(sessions) {
   fill('sessions', newest.map((s) => {
     const tr = document.createElement('tr');
     tr.dataset.session = s.id;
-    const buffered = s.buffered ?? Math.max(0, (s.reports ?? 0) - (s.applied_through ?? 0));
     tr.append(cell(s.id, {field: 'id'}), cell(s.population, {field: 'population'}),
               cell(s.state, {field: 'state', cls: `state-${s.state}`}), cell(s.version, {field: 'version'}),
-              cell(progress(buffered, s.buffer_size), {field: 'buffer'}),
-              cell(s.reports, {field: 'reports', cls: 'num'}),
-              cell(typeof s.refused === 'object' ? refused(s.refused) : (s.refused ?? ''), {field: 'refused'}),
-              cell(elapsed(s), {field: 'duration'}));
+              cell(progress(s.buffer_fill, s.buffer_size), {field: 'buffer'}),
+              cell(s.accepted, {field: 'accepted', cls: 'num'}),
+              cell(refused(s.refused_by_reason), {field: 'refused'}), cell(elapsed(s), {field: 'duration'}));
     return tr;
   }), 'No buffered sessions.');
 }
@@ -146,8 +141,11 @@ function showRates(rates) {
   const series = [['check-ins', rates?.checkins ?? []], ['reports', rates?.reports ?? []]];
   const data = charts.join(series.map(([, points]) => [points.map((p) => p[0]), points.map((p) => p[1])]));
   const box = $('rates-chart');
-  const c = chart('rates', box, {xLabel: 'time', yLabel: 'per minute', time: true,
-                                 width: Math.max(480, Math.min(1100, box.clientWidth || 900))});
+  const c = chart('rates', box, {
+    xLabel: 'time', yLabel: 'per minute', time: true,
+    xRange: () => [dashboard.overview.now - 3600, dashboard.overview.now + 60],  // the last hour
+    width: Math.max(480, Math.min(1100, box.clientWidth || 900)),
+  });
   c.update(series.map(([name]) => name), data);
 }
 
@@ -318,6 +316,7 @@ async function login(candidate) {
 async function main() {
   const given = new URLSearchParams(location.search).get('interval') ?? sessionStorage.getItem(INTERVAL);
   if (given !== null && Number(given) > 0) $('interval').value = given;
+  $('interval').value = String(interval());
   $('interval').addEventListener('change', () => {
     sessionStorage.setItem(INTERVAL, String(interval()));
     if (token !== null) {
