@@ -15,6 +15,7 @@ from fedlang import deploy
 from fedlang.core import context
 
 from ..conftest import Gated, batch_sum, wait_for
+from ..server.test_sessions import Session, _report
 from .conftest import ROOT
 
 N = 3
@@ -62,6 +63,13 @@ def _chart(page, key):
            }""", key)
 
 
+def _login(page, server):
+    page.goto(f"{server.url}/dashboard/?interval=0.5")
+    page.fill("#token", server.admin_token)
+    page.click("#login button[type=submit]")
+    page.wait_for_selector("#board", state="visible")
+
+
 def _round_seen(page, server, reports, state="open"):
     """The page's row of the round, once it shows `reports` and `state`, equal to the API's."""
     def agreed():
@@ -83,6 +91,7 @@ def test_the_dashboard_shows_a_deployment_live_as_the_api_does(
 ):
     page, errors = page
     server = server_process(tmp_path / "store.db").start()
+    assert f"dashboard: {server.url}/dashboard/ (log in" in server.log.read_text()
     with deploy.Admin(server.url, server.admin_token) as admin:
         token = admin.create_population("pop")
 
@@ -179,4 +188,38 @@ def test_the_dashboard_shows_a_deployment_live_as_the_api_does(
         driver.join(timeout=60)
 
     # nothing was blocked by the content-security policy, nothing failed but the wrong token
+    assert [e for e in errors if "401" not in e] == [], json.dumps(errors, indent=1)
+
+
+def test_a_buffered_session_fills_its_buffer_on_the_page_as_in_the_api(server_factory, page):
+    page, errors = page
+    session = Session(server_factory())
+    try:
+        _login(page, session.server)
+
+        def shown(**want):
+            (s,) = _api(session.server, "/v1/admin/overview")["sessions"]
+            row = _row(page, "session", s["id"])
+            return (row is not None and all(s[k] == v for k, v in want.items())
+                    and row["buffer"] == f"{s['buffer_fill']} / {s['buffer_size']}"
+                    and row["version"] == str(s["version"]) and row["accepted"] == str(s["accepted"])
+                    and row["refused"] == (", ".join(f"{k} {n}" for k, n in sorted(
+                        s["refused_by_reason"].items())) or "0") and (s, row))
+
+        wait_for(lambda: shown(buffer_fill=0, version=0), "an empty buffer", timeout=30)
+        a, b, c = session.clients
+        for client in (a, b, c):
+            session.checkin(client)
+        assert session.put(a, 0, _report([[1, 1, 1]])).status_code == 200
+        wait_for(lambda: shown(buffer_fill=1, accepted=1), "one report buffered", timeout=30)
+        assert session.put(b, 0, _report([[2, 2, 2]])).status_code == 200
+        session.publish(1, through=2)
+        session.publish(2, through=2)  # c is now 2 versions behind: its report is stale
+        assert session.put(c, 0, _report([[3, 3, 3]])).status_code == 410
+        s, row = wait_for(lambda: shown(version=2, buffer_fill=0, accepted=2), "two versions on",
+                          timeout=30)
+        assert s["refused_by_reason"] == {"stale": 1} and row["refused"] == "stale 1"
+        assert row["state"] == "open" and row["duration"].endswith(" so far")
+    finally:
+        session.http.close()
     assert [e for e in errors if "401" not in e] == [], json.dumps(errors, indent=1)
