@@ -6,6 +6,8 @@ One module per command group, each adding its commands to `app` with `register(a
 - `experiment`: the experiment config those two run (TOML tables, defaults, checks);
 - `data`: `fedlang data inspect` and `fedlang data convert`;
 - `deploy`: the deployment's `fedlang serve`, `fedlang client` and `fedlang status`;
+- `ops`: an operator's listings (`fedlang populations`, `rounds`, `sessions`), `fedlang
+  follow` and `fedlang stop-round` / `stop-session`;
 - `console`: the one console every command prints with, and `fail`, the one way to
   stop with an error and an exit status.
 """
@@ -16,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from fedlang.cli import console, data, deploy, training
+from fedlang.cli import console, data, deploy, ops, training
 
 # Plain click help (rich_markup_mode=None): typer's rich panels print a type placeholder
 # such as <bool> even for a flag, which takes no value.
@@ -46,6 +48,7 @@ def _main(
 training.register(app)
 data.register(app)
 deploy.register(app)
+ops.register(app)
 
 
 def main() -> None:

@@ -59,6 +59,15 @@ def serve(
     max_connections: Annotated[int, typer.Option(
         metavar="N", help="Connections and requests at once (more get 503; clients retry).")]
     = 1000,
+    log_format: Annotated[str, typer.Option(
+        metavar="FORMAT", help="Logs on stderr: text (human-readable) or json (one object a line, with a request id).")]
+    = "text",
+    log_level: Annotated[str, typer.Option(
+        metavar="LEVEL", help="Least severe log level: warning, or info for a line per request.")]
+    = "warning",
+    metrics_port: Annotated[int | None, typer.Option(
+        metavar="N", help="Also serve /metrics (Prometheus) without a token on 127.0.0.1:N (0: any free port).")]
+    = None,
 ) -> None:
     """Serve a task store: clients check in for tasks; the driver opens rounds.
 
@@ -88,6 +97,9 @@ def serve(
                 credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
                 browser=browser, demo_page=demo_page, limits=server_lib.Limits(
                     header_timeout, body_timeout, keep_alive, max_connections),
+                # the defaults keep uvicorn's own logging, as before --log-format
+                log_format=None if (log_format, log_level) == ("text", "warning") else log_format,
+                log_level=log_level.lower(), metrics_port=metrics_port,
             )
         except (OSError, ValueError, ImportError, server_lib.DatabaseInUse) as e:
             console.fail(e)
@@ -104,6 +116,8 @@ def serve(
         else:
             print("admin token: the one given (--admin-token or FEDLANG_ADMIN_TOKEN)", flush=True)
         print(f"public key: {base64.b64encode(server.public_key).decode()}", flush=True)
+        if server.metrics_url is not None:
+            print(f"metrics: {server.metrics_url} (no token; loopback only)", flush=True)
         for name in population or []:
             try:
                 token = server.store.create_population(name)
@@ -118,9 +132,13 @@ def serve(
             server.request_stop()
         server.serve()  # returns at once if asked to stop
         if stopped:
-            _stopped(stopped[0], f"the server stopped; every report it acknowledged is kept in "
-                                 f"{_database(db)} (the same command serves it again); clients "
-                                 "retry until it is back, for their --patience")
+            what = (f"the server stopped; every report it acknowledged is kept in "
+                    f"{_database(db)} (the same command serves it again); clients retry until "
+                    "it is back, for their --patience")
+            if log_format == "json":  # the last line too is one JSON object
+                logging.getLogger("fedlang.deploy.server").warning("%s.", what)
+                raise typer.Exit(128 + stopped[0])
+            _stopped(stopped[0], what)
     finally:  # as they were (a command run in-process, e.g. by a test, leaves no trace)
         for signum, handler in previous.items():
             signal.signal(signum, handler)

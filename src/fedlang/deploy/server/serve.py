@@ -33,6 +33,7 @@ from uvicorn.protocols.http import h11_impl
 from fedlang.core import signing
 from fedlang.deploy.server import app as app_lib
 from fedlang.deploy.server import state as state_lib
+from fedlang.deploy.server import telemetry
 from fedlang.deploy.store import sql
 from fedlang.deploy.store import store as store_lib
 
@@ -272,6 +273,11 @@ class Server:
       access_log: log one line per request (uvicorn's access log: method, path, status;
         never a body).
       limits: timeouts and the connection limit (`Limits`; its defaults by default).
+      log_format: `text` or `json`: the server's logs (its own, with a line per request
+        and its id, and uvicorn's) go to stderr in this format from `log_level` up
+        (`telemetry.configure_logging`); None: uvicorn's own logging, as before.
+      metrics_port: also serve `/metrics` without a token on 127.0.0.1 at this port (0:
+        any free port; see `metrics_url`), for a Prometheus on the same machine.
 
     Example:
       >>> with Server(db="/tmp/fl.db", port=0) as server:  # doctest: +SKIP
@@ -299,7 +305,10 @@ class Server:
         dashboard: bool = True,
         access_log: bool = False,
         limits: Limits | None = None,
+        log_format: str | None = None,
+        metrics_port: int | None = None,
     ):
+        self._metrics: Any = None  # the loopback /metrics server (`metrics_port`)
         self._held = hold_database(db)  # first: before anything reads the database
         try:
             self.store = store_lib.Store(db, clock=clock, pace=pace)
@@ -329,14 +338,23 @@ class Server:
                 dashboard_lib.mount(self.app)
             protocol = type("HeaderTimeout", (HeaderTimeout,),
                             {"header_timeout": limits.header_timeout})
+            logging_config: dict[str, Any] | None = uvicorn.config.LOGGING_CONFIG
+            if log_format is not None:
+                telemetry.configure_logging(log_format, log_level)
+                logging_config = None  # uvicorn's loggers go to the handler made here
             self._config = uvicorn.Config(
                 self.app, log_level=log_level, access_log=access_log, ssl_keyfile=ssl_keyfile,
+                log_config=logging_config,
                 ssl_certfile=ssl_certfile, timeout_graceful_shutdown=5, http=protocol,
                 timeout_keep_alive=max(1, math.ceil(limits.keep_alive)),
                 limit_concurrency=limits.max_connections,
             )
             self._uvicorn = uvicorn.Server(self._config)
             self._thread: threading.Thread | None = None
+            self.metrics_url: str | None = None
+            if metrics_port is not None:  # on loopback only: it answers without a token
+                self._metrics = telemetry.serve_metrics(self.app_state.telemetry, metrics_port)
+                self.metrics_url = f"http://127.0.0.1:{self._metrics.server_port}/metrics"
             self.host = host
             self._sock = _free_socket(host, port)  # last: nothing after it fails
             self.port = self._sock.getsockname()[1]
@@ -344,6 +362,7 @@ class Server:
             shown = f"[{host}]" if ":" in host else host
             self.url = f"{scheme}://{shown}:{self.port}"
         except BaseException:
+            self._close_metrics()
             self.store.close()
             self._release()
             raise
@@ -387,8 +406,15 @@ class Server:
         """Closes the socket and the database, and releases the database's lock."""
         with contextlib.suppress(OSError):
             self._sock.close()
+        self._close_metrics()
         self.store.close()
         self._release()
+
+    def _close_metrics(self) -> None:
+        if self._metrics is not None:
+            self._metrics.shutdown()
+            self._metrics.server_close()
+            self._metrics = None
 
     def _release(self) -> None:
         if self._held is not None:

@@ -53,6 +53,7 @@ TX_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 SIZE_BUCKETS = tuple(float(1 << k) for k in range(6, 31, 2))  # 64 B .. 1 GiB, times 4
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 WINDOW = 60  # minutes of rates kept
+LEVELS = ("debug", "info", "warning", "error", "critical")
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 requests_log = logging.getLogger("fedlang.deploy.server.requests")
@@ -115,6 +116,7 @@ class Rates:
     def __init__(self, names: tuple[str, ...] = ("checkins", "reports:accepted")):
         self.names = names
         self._notes: dict[int, tuple[int, ...]] = {}  # minute -> the counters then
+        self._first: int | None = None  # the minute of the first note (the server's start)
         self._lock = threading.Lock()
 
     def due(self, now: float) -> bool:
@@ -126,18 +128,21 @@ class Rates:
         minute = int(now // 60)
         with self._lock:
             self._notes.setdefault(minute, tuple(counters.get(n, 0) for n in self.names))
+            self._first = minute if self._first is None else self._first
             for old in [m for m in self._notes if m < minute - WINDOW]:
                 del self._notes[old]
 
     def series(self, now: float, counters: dict[str, int]) -> dict[str, list[list[float]]]:
         """For each counter, `[[minute start (epoch seconds), count in that minute], ...]`
-        over the last hour since the first note; what happened between two notes counts
-        in the minute of the first (no requests came in the minutes between)."""
+        over the last hour (since the first note, when it is more recent); what happened
+        between two notes counts in the minute of the first (no requests came in the
+        minutes between)."""
         self.note(now, counters)
         current = tuple(counters.get(n, 0) for n in self.names)
         with self._lock:
             notes = sorted(self._notes.items())
-        first, last = notes[0][0], int(now // 60)
+            first = self._first if self._first is not None else notes[0][0]
+        last = int(now // 60)
         known = dict(notes)
         out: dict[str, list[list[float]]] = {n: [] for n in self.names}
         for minute in range(max(first, last - WINDOW + 1), last + 1):
@@ -230,6 +235,25 @@ class Observe:
             request_id.reset(token)
 
 
+def serve_metrics(telemetry: Telemetry, port: int) -> Any:
+    """Serves `telemetry`'s metrics without a token at `http://127.0.0.1:PORT/metrics`
+    (0: any free port) on a thread; returns the HTTP server (`server_port`,
+    `shutdown()`, `server_close()`). Loopback only: anyone who can reach it reads it.
+
+    Raises:
+      OSError: the port is in use.
+    """
+    try:
+        server, _ = prometheus_client.start_http_server(
+            port, addr="127.0.0.1", registry=telemetry.registry)
+    except OSError as e:
+        raise OSError(
+            e.errno, f"Expected port {port} on 127.0.0.1 to be free for the metrics, found it "
+            f"in use ({e.strerror}); pick another --metrics-port, or 0 for any free port."
+        ) from e
+    return server
+
+
 # -- logging
 
 
@@ -280,10 +304,12 @@ def configure_logging(log_format: str = "text", level: str = "info") -> None:
     (`text`) or one JSON object a line (`json`), each with its request id.
 
     Raises:
-      ValueError: another format.
+      ValueError: another format, or an unknown level.
     """
     if log_format not in ("text", "json"):
         raise ValueError(f"Expected a log format 'text' or 'json', found {log_format!r}.")
+    if level.lower() not in LEVELS:
+        raise ValueError(f"Expected a log level of {', '.join(LEVELS)}, found {level!r}.")
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_RequestId())
     handler.setFormatter(
