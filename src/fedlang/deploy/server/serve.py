@@ -267,8 +267,8 @@ class Server:
       browser: also serve the browser client (`/browser/fedlang.js` and onnxruntime-web,
         `fedlang.deploy.browser.routes`).
       demo_page: also serve the demo page at `/demo/` (implies `browser`).
-      dashboard: serve the operator's dashboard at `/dashboard/` (`server.dashboard`;
-        its data needs the admin token).
+      dashboard: serve the operator's dashboard at `/dashboard/` (`server.dashboard`
+        in this package; what it shows needs the admin token).
       log_level: uvicorn's log level.
       access_log: log one line per request (uvicorn's access log: method, path, status;
         never a body).
