@@ -198,3 +198,34 @@ def test_the_readme_the_cli_page_and_the_help_give_the_demo_one_duration():
     found = {name: set(re.findall(r"about (\d+ s|a minute|\d+ minutes?)", " ".join(t.split())))
              for name, t in texts.items()}
     assert all(found.values()) and len(set().union(*found.values())) == 1, found
+
+
+def test_train_releases_each_rounds_metrics_to_a_server(tmp_path, monkeypatch):
+    from fedlang import deploy
+    from fedlang.deploy.driver import metrics as release
+
+    monkeypatch.delenv("FEDLANG_ADMIN_TOKEN", raising=False)
+    config = _config(tmp_path)
+    with (deploy.Server(db=tmp_path / "server.db", port=0) as server,
+          deploy.Admin(server.url, server.admin_token) as admin):
+        admin.create_population("pop")
+        flags = ["--metrics-server", server.url, "--metrics-population", "pop"]
+        # refused before training: no token, a population the server lacks, half a pair
+        no_token = invoke("train", config, *flags, "--no-progress")
+        assert no_token.exit_code == 2 and "FEDLANG_ADMIN_TOKEN" in no_token.output
+        unknown = invoke("train", config, "--metrics-server", server.url, "--metrics-population",
+                         "nobody", "--admin-token", server.admin_token, "--no-progress")
+        assert unknown.exit_code == 2 and "its populations are ['pop']" in unknown.output
+        half = invoke("train", config, "--metrics-server", server.url, "--no-progress")
+        assert half.exit_code == 2 and "output.server and output.population" in half.output
+        assert not (tmp_path / "run" / "checkpoints").exists()
+        ran = invoke("train", config, *flags, "--admin-token", server.admin_token, "--no-progress")
+        assert ran.exit_code == 0, ran.output
+        released = admin.released_metrics("pop")
+    written = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in written] == [1, 2]
+    expected = {(r["round"], kind, name): value for r in written
+                for kind, values in release.release_form(r["metrics"]).items()
+                for name, value in values.items()}
+    assert {(m["round"], m["kind"], m["name"]): m["value"] for m in released} == expected
+    assert any(kind == "train" for _, kind, _ in expected)  # (no held-out clients: no eval)

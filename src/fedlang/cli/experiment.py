@@ -45,7 +45,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "training": {"rounds": 30, "cohort_size": 10, "seed": 0, "evaluate_every": 5,
                  "checkpoint_every": 5},
-    "output": {"dir": "fedlang-demo", "resume": True},
+    # server, population: also release each round's metrics to a task store server's
+    # population (its dashboard plots them); the admin token comes from FEDLANG_ADMIN_TOKEN
+    # or --admin-token, never from the file
+    "output": {"dir": "fedlang-demo", "resume": True, "server": "", "population": ""},
 }
 DATASETS = ("digits", "synthetic", "store", "sqlite", "csv", "leaf", "directory")
 ALGORITHMS = ("fedavg", "fedavg_unweighted", "fedprox", "fedsgd")
@@ -54,7 +57,8 @@ OPTIMIZERS = ("sgd", "adam", "adagrad", "yogi", "adamw", "rmsprop")
 _NOT_FINGERPRINTED = {"training": ("rounds", "evaluate_every", "checkpoint_every"), "output": None}
 # The `fedlang train` flag that overrides a config key, for advice in messages.
 FLAGS = {"training.rounds": "--rounds", "output.dir": "--output-dir",
-         "output.resume": "--resume/--no-resume"}
+         "output.resume": "--resume/--no-resume", "output.server": "--metrics-server",
+         "output.population": "--metrics-population"}
 # The package a dataset is read with, where fedlang itself does not depend on it:
 # dataset -> (module to import, distribution, the fedlang extra that installs it).
 NEEDS = {"digits": ("sklearn.datasets", "scikit-learn", "examples")}
@@ -160,6 +164,11 @@ def _check(c: dict[str, Any]) -> None:
     ):
         if not ok:
             raise ConfigError(f"Expected {msg}.")
+    o = c["output"]
+    if bool(o["server"]) != bool(o["population"]):
+        raise ConfigError(
+            "Expected output.server and output.population together (--metrics-server URL "
+            f"--metrics-population NAME), found only {'server' if o['server'] else 'population'}.")
     for key in ("client_optimizer", "server_optimizer"):
         opt = c["algorithm"][key]
         if opt.get("name") not in OPTIMIZERS:
@@ -480,7 +489,44 @@ def divergence(result: Any, config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def run(config: Mapping[str, Any], *, progress: bool | None = None, fresh: bool = False) -> Any:
+def metrics_writers(config: Mapping[str, Any], admin_token: str | None = None) -> list[Any]:
+    """The run's metrics writers: CSV, JSON lines, TensorBoard and a plot in output.dir,
+    and, with output.server, one that releases each round's metrics to that server's
+    output.population (`fedlang.deploy.driver.metrics.ServerMetricsWriter`).
+
+    Raises:
+      ConfigError: output.server without an admin token, or a population the server
+        does not have; checked before training.
+      OSError: the server cannot be reached.
+    """
+    o, out = config["output"], pathlib.Path(config["output"]["dir"])
+    writers: list[Any] = sim.writers.default_writers(out, title=describe(config))
+    if not o["server"]:
+        return writers
+    if not admin_token:
+        raise ConfigError(
+            f"Expected the admin token of {o['server']} to release metrics there, found none; "
+            "set FEDLANG_ADMIN_TOKEN or pass --admin-token.")
+    from fedlang.deploy import protocol
+    from fedlang.deploy.client import connection
+    from fedlang.deploy.driver import metrics as release
+
+    writer = release.ServerMetricsWriter(o["server"], admin_token, o["population"], patience=30.0)
+    try:
+        names = [p["name"] for p in writer.admin.populations()]
+    except (protocol.ProtocolError, connection.ServerUnavailable, connection.ServerError) as e:
+        writer.close()
+        raise ConfigError(f"Expected to reach {o['server']} with its admin token, found: {e}") from e
+    if o["population"] not in names:
+        writer.close()
+        raise ConfigError(
+            f"Expected output.population to be a population of {o['server']}, found "
+            f"{o['population']!r}; its populations are {names}.")
+    return [*writers, writer]
+
+
+def run(config: Mapping[str, Any], *, progress: bool | None = None, fresh: bool = False,
+        admin_token: str | None = None) -> Any:
     """Runs the experiment of `config`, writing metrics, plot and checkpoints.
 
     Args:
@@ -489,6 +535,7 @@ def run(config: Mapping[str, Any], *, progress: bool | None = None, fresh: bool 
       fresh: delete the output directory's checkpoints first (the demo does), unless
         they are of this config's run stopped short of its rounds (a demo interrupted
         with Ctrl-C): that run resumes.
+      admin_token: the admin token of output.server, where metrics are released.
 
     Returns:
       The `TrainingResult`.
@@ -500,6 +547,7 @@ def run(config: Mapping[str, Any], *, progress: bool | None = None, fresh: bool 
     ckpt_dir = out / "checkpoints"
     if not fresh:
         _check_checkpoints(ckpt_dir, t["rounds"], config["output"]["resume"])
+    writers = metrics_writers(config, admin_token)  # first: a wrong server fails at once
     train, test = load_data(config)
     process, eval_process = build_processes(config, build_model_fn(config, train.structure))
     if fresh and not unfinished(ckpt_dir, config):
@@ -514,7 +562,7 @@ def run(config: Mapping[str, Any], *, progress: bool | None = None, fresh: bool 
         process, train, sampler, t["rounds"], preprocess=preprocess,
         evaluation=None if test is None else _eval_fn(process, eval_process, test, 64),
         evaluate_every=t["evaluate_every"],
-        metrics=sim.writers.default_writers(out, title=describe(config)),
+        metrics=writers,
         checkpoint_dir=ckpt_dir, checkpoint_every=t["checkpoint_every"],
         resume=config["output"]["resume"] or fresh, config=fingerprint_config(config),
         seed=t["seed"], progress=progress,

@@ -86,7 +86,7 @@ def _cause(error: BaseException, kind: type[E]) -> E | None:
 
 
 def _run_and_report(path: pathlib.Path | None, overrides: dict[str, dict[str, Any]],
-                    progress: bool | None, *, demo: bool) -> None:
+                    progress: bool | None, *, demo: bool, admin_token: str | None = None) -> None:
     """Loads the config (`experiment.load_config(path, **overrides)`), runs it and
     reports. Ctrl-C at any point (it stops at the end of the round in progress; twice:
     at once) ends with status 130 and says where the run stands and how to resume."""
@@ -127,7 +127,7 @@ def _run_and_report(path: pathlib.Path | None, overrides: dict[str, dict[str, An
                     f"alpha={config['data']['alpha']}), {config['training']['rounds']} rounds of "
                     f"{config['training']['cohort_size']} clients.", highlight=False)
             t0 = time.perf_counter()
-            result = experiment.run(config, progress=progress, fresh=demo)
+            result = experiment.run(config, progress=progress, fresh=demo, admin_token=admin_token)
             elapsed = time.perf_counter() - t0
         except KeyboardInterrupt as e:  # Ctrl-C: TrainingInterrupted, or twice in set-up
             stopped = e if isinstance(e, sim.TrainingInterrupted) else _cause(
@@ -178,6 +178,15 @@ def train(
     resume: Annotated[bool | None, typer.Option("--resume/--no-resume",
                                                 help="Override output.resume.")] = None,
     progress: ProgressOpt = None,
+    metrics_server: Annotated[str | None, typer.Option(
+        metavar="URL", help="Override output.server: also release each round's metrics to this task store server.")]
+    = None,
+    metrics_population: Annotated[str | None, typer.Option(
+        metavar="NAME", help="Override output.population: the server's population the metrics belong to.")]
+    = None,
+    admin_token: Annotated[str | None, typer.Option(
+        envvar="FEDLANG_ADMIN_TOKEN", metavar="TOKEN", help="The admin token of output.server.")]
+    = None,
 ) -> None:
     """Trains as CONFIG.toml says; re-running it resumes from the newest checkpoint.
 
@@ -196,12 +205,13 @@ def train(
                  name (sgd, adam, adagrad, yogi, adamw, rmsprop), learning_rate and
                  any other argument of optax.<name>
     [training]   rounds, cohort_size, seed, evaluate_every, checkpoint_every
-    [output]     dir, resume
+    [output]     dir, resume, server, population
     """
     _run_and_report(config_path, {
         "training": {"rounds": rounds},
-        "output": {"dir": None if output_dir is None else str(output_dir), "resume": resume},
-    }, progress, demo=False)
+        "output": {"dir": None if output_dir is None else str(output_dir), "resume": resume,
+                   "server": metrics_server, "population": metrics_population},
+    }, progress, demo=False, admin_token=admin_token)
 
 
 def register(app: typer.Typer) -> None:

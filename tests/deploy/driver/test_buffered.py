@@ -12,6 +12,7 @@ import pytest
 
 from fedlang import deploy
 from fedlang.deploy.driver import buffered as buffered_driver
+from fedlang.deploy.driver import metrics as driver_metrics
 from fedlang.deploy.plans import buffered as buffered_plan
 from fedlang.learning import algorithms
 from fedlang.learning.models import model as model_lib
@@ -121,6 +122,13 @@ def test_one_client_at_a_time_equals_the_process_run_in_process(server_factory, 
     shown = server.app_state.status()["sessions"][0]
     assert (shown["version"], shown["accepted"], shown["buffer_fill"]) == (2, 4, 0)
     assert shown["staleness_histogram"] == {"0": 4}
+    # each server step's metrics were released, the version as the round (the dashboard)
+    with deploy.Admin(server.url, server.admin_token) as admin:
+        released = admin.released_metrics("digits")
+    expected = {(step.version, kind, name): value for step in driver.steps
+                for kind, values in driver_metrics.release_form(step.metrics).items()
+                for name, value in values.items()}
+    assert expected and {(m["round"], m["kind"], m["name"]): m["value"] for m in released} == expected
 
 
 def test_a_restarted_driver_rebuilds_the_buffer_from_the_stored_reports(server_factory, setting):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from prometheus_client import parser
 
+from fedlang import deploy
 from fedlang.deploy.driver import metrics as driver_metrics
 from fedlang.deploy.store import metrics as store_metrics
 
@@ -86,9 +87,14 @@ def test_the_driver_releases_a_process_metrics(deployment):
     writer = driver_metrics.ServerMetricsWriter(deployment.server.url, deployment.server.admin_token, "pop")
     writer.write(5, {"train": {"loss": 0.25}})
     writer.close()
+    runner = deploy.ServerRounds(deployment.server.url, deployment.server.admin_token, "pop", target=1)
+    assert runner.release_metrics(6, {"train": {"loss": np.float32(0.125)}, "note": "x"}) == 1
+    assert runner.release_metrics(7, {"note": "nothing to plot"}) == 0
+    runner.close()
     got = deployment.get("/admin/populations/pop/metrics")["metrics"]
-    assert [(m["round"], m["kind"], m["name"]) for m in got] == [
-        (4, "eval", "acc"), (4, "round", "round_time_s"), (4, "train", "loss"), (5, "train", "loss")]
+    assert [(m["round"], m["kind"], m["name"], m["value"]) for m in got] == [
+        (4, "eval", "acc", 0.75), (4, "round", "round_time_s", 2.0), (4, "train", "loss", 0.5),
+        (5, "train", "loss", 0.25), (6, "train", "loss", 0.125)]
 
 
 def test_the_overview_shows_a_round_as_the_api_counts_it(deployment):

@@ -18,6 +18,7 @@ from fedlang.deploy import protocol
 from fedlang.deploy.client import connection as connection_lib
 from fedlang.deploy.driver import admin as admin_lib
 from fedlang.deploy.driver import context
+from fedlang.deploy.driver import metrics as metrics_lib
 from fedlang.deploy.plans import round as plan_lib
 
 
@@ -85,6 +86,13 @@ class ServerRounds:
             raise RoundFailedError(r["failure"] or f"Round {r['id']} {r['state']}.")
         aggregate = self.admin.aggregate(r["id"])
         return context.RoundResult(aggregate, r["reports"], time.perf_counter() - start, r)
+
+    def release_metrics(self, round_num: int, metrics: Any) -> int:
+        """Releases round `round_num`'s metrics (e.g. what `process.next` returned) to
+        the population, where the server's dashboard plots them
+        (`driver.metrics.release_form`); returns how many were stored."""
+        form = metrics_lib.release_form(metrics)
+        return self.admin.release_metrics(self.population, round_num, form) if form else 0
 
     def finish(self) -> None:
         """Tells the population's clients that there is no more work."""
