@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up what the browser client tests need, each step saying why when it cannot run
 # (the tests then skip with that reason) and never failing:
-#   1. onnxruntime-web's files, downloaded from npm's registry into the Python package
-#      (python -m fedlang.deploy.browser.assets; no npm needed; checked against pinned
+#   1. the npm packages the server serves (onnxruntime-web for browser clients, uPlot
+#      for the dashboard), downloaded from npm's registry into the Python package
+#      (python -m fedlang.deploy.assets; no npm needed; checked against pinned
 #      SHA-256s; a wheel gets them at build time, see setup.py);
 #   2. Debian's Chromium at /usr/bin/chromium, installed with apt-get when missing (as
 #      root): a change to the system, which the README's test command states.
@@ -24,8 +25,8 @@ fi
 
 # npm gives up soon without a network (its defaults retry for minutes)
 if ! npm_config_fetch_retries=1 npm_config_fetch_retry_maxtimeout=10000 \
-     npm_config_fetch_timeout=30000 "$PY" -m fedlang.deploy.browser.assets >>"$LOG" 2>&1; then
-  say "onnxruntime-web could not be installed (npm missing or no network? see $LOG); the browser tests will be skipped."
+     npm_config_fetch_timeout=30000 "$PY" -m fedlang.deploy.assets >>"$LOG" 2>&1; then
+  say "onnxruntime-web or uPlot could not be installed (npm missing or no network? see $LOG); the browser and dashboard tests will be skipped."
 fi
 
 if [ ! -x /usr/bin/chromium ]; then

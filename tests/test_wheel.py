@@ -1,12 +1,13 @@
-"""The wheel: built from a clean copy of the tree, complete (onnxruntime-web's checked files
-in it), the same whatever the checkout held, and `fedlang serve --demo-page` starts from it
-in a fresh virtual environment.
+"""The wheel: built from a clean copy of the tree, complete (the checked files of the npm
+packages the server serves in it: onnxruntime-web, uPlot; the dashboard's files), the same
+whatever the checkout held, and `fedlang serve --demo-page` serves the demo page and the
+dashboard from it in a fresh virtual environment.
 
 Slow: about 75 s on two cores with a warm pip cache (two wheel builds of ~10 s each, a
 fresh environment with `fedlang[deploy]`'s dependencies ~55 s, the server a few seconds).
-Nothing is downloaded but what pip installs: the build takes onnxruntime-web's files
-from the checkout's checked copy (`FEDLANG_ORT_DIR`), as a build without network does;
-tests/deploy/browser/test_assets.py covers the registry download.
+Nothing is downloaded but what pip installs: the build takes the packages' files from
+the checkout's checked copies (`FEDLANG_ORT_DIR`, `FEDLANG_UPLOT_DIR`), as a build
+without network does; tests/deploy/test_assets.py covers the registry download.
 """
 
 import hashlib
@@ -22,10 +23,13 @@ import zipfile
 import httpx
 import pytest
 
+from fedlang.deploy import assets as npm_assets
 from fedlang.deploy.browser import assets
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ORT_IN_WHEEL = "fedlang/deploy/browser/static/ort/"
+UPLOT_IN_WHEEL = "fedlang/deploy/server/static/uplot/"
+DASHBOARD = ROOT / "src" / "fedlang" / "deploy" / "server" / "static" / "dashboard"
 
 
 def _clean_copy(destination):
@@ -60,7 +64,7 @@ def _contents(wheel):
 
 def _env(**changes):
     env = {k: v for k, v in os.environ.items()
-           if k not in ("FEDLANG_ORT_DIR", "PYTHONPATH", "VIRTUAL_ENV")}
+           if k not in ("FEDLANG_ORT_DIR", "FEDLANG_UPLOT_DIR", "PYTHONPATH", "VIRTUAL_ENV")}
     env.update(changes)
     return env
 
@@ -69,14 +73,15 @@ def _env(**changes):
 def checked_ort():
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("the wheel is built from the git checkout's files; this is not one")
-    if assets.missing(assets.STATIC / "ort"):
-        pytest.skip("onnxruntime-web's files are missing from the checkout; "
-                    "`python -m fedlang.deploy.browser.assets` fetches them")
+    for package in npm_assets.PACKAGES:
+        if package.missing(npm_assets.FEDLANG / package.home):
+            pytest.skip(f"{package.name}'s files are missing from the checkout; "
+                        "`python -m fedlang.deploy.assets` fetches them")
     return assets.STATIC / "ort"
 
 
 @pytest.mark.slow
-def test_the_wheel_is_complete_the_same_whatever_ran_before_and_serves_the_demo_page(
+def test_the_wheel_is_complete_the_same_whatever_ran_before_and_serves_the_pages(
     tmp_path, checked_ort
 ):
     # arrange: a clean copy (as a fresh clone), and a copy whose static/ort/ holds what an
@@ -86,17 +91,28 @@ def test_the_wheel_is_complete_the_same_whatever_ran_before_and_serves_the_demo_
     stale = used / "src" / "fedlang" / "deploy" / "browser" / "static" / "ort"
     shutil.copytree(checked_ort, stale)
     (stale / "ort.webgpu.min.mjs").write_text("// another version's file\n")
+    uplot = npm_assets.FEDLANG / npm_assets.UPLOT.home
+    stale_uplot = used / "src" / "fedlang" / npm_assets.UPLOT.home
+    shutil.copytree(uplot, stale_uplot)
+    (stale_uplot / "uPlot.min.css").write_text("/* another version's file */\n")
 
     # act: build both
-    wheel = _build_wheel(clean, tmp_path / "dist-clean", _env(FEDLANG_ORT_DIR=str(checked_ort)))
+    wheel = _build_wheel(clean, tmp_path / "dist-clean", _env(
+        FEDLANG_ORT_DIR=str(checked_ort), FEDLANG_UPLOT_DIR=str(uplot)))
     other = _build_wheel(used, tmp_path / "dist-used", _env())
 
     # assert: complete, and the same
     contents = _contents(wheel)
     shipped = {n.removeprefix(ORT_IN_WHEEL): h for n, h in contents.items() if n.startswith(ORT_IN_WHEEL)}
     assert shipped == {**assets.FILES, "README.txt": hashlib.sha256(assets.README.encode()).hexdigest()}
+    shipped = {n.removeprefix(UPLOT_IN_WHEEL): h for n, h in contents.items() if n.startswith(UPLOT_IN_WHEEL)}
+    readme = hashlib.sha256(npm_assets.UPLOT.readme.encode()).hexdigest()
+    assert shipped == {**npm_assets.UPLOT.stored, "README.txt": readme}
     assert _contents(other) == contents
     assert "fedlang/deploy/browser/demo/favicon.svg" in contents
+    for page_file in sorted(DASHBOARD.iterdir()):
+        assert contents[f"fedlang/deploy/server/static/dashboard/{page_file.name}"] == \
+            hashlib.sha256(page_file.read_bytes()).hexdigest()
 
     # act: a fresh virtual environment with the wheel and the deploy extra
     venv = tmp_path / "venv"
@@ -131,6 +147,10 @@ def test_the_wheel_is_complete_the_same_whatever_ran_before_and_serves_the_demo_
             wasm = http.get(demo.group(1).replace("/demo/", "/browser/ort/ort-wasm-simd-threaded.wasm"))
             assert wasm.status_code == 200
             assert hashlib.sha256(wasm.content).hexdigest() == assets.FILES["ort-wasm-simd-threaded.wasm"]
+            dashboard = demo.group(1).replace("/demo/", "/dashboard/")
+            assert "dashboard.js" in http.get(dashboard).text
+            chart = http.get(dashboard + "uplot/uPlot.esm.js")
+            assert hashlib.sha256(chart.content).hexdigest() == npm_assets.UPLOT.stored["uPlot.esm.js"]
     finally:
         server.terminate()
         try:

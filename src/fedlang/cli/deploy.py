@@ -104,6 +104,7 @@ def serve(
         except (OSError, ValueError, ImportError, server_lib.DatabaseInUse) as e:
             console.fail(e)
         print(f"fedlang task store at {server.url} (database {db})", flush=True)
+        _print_dashboard(server.url)
         if demo_page:
             print(f"demo page: {server.url}/demo/", flush=True)
         if server.admin_token is not None and admin_token is None:
@@ -141,6 +142,15 @@ def serve(
     finally:  # as they were (a command run in-process, e.g. by a test, leaves no trace)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _print_dashboard(url: str) -> None:
+    from fedlang.deploy.server import dashboard
+
+    lacking = dashboard.missing()
+    print(f"dashboard: {url}{dashboard.PATH} (log in with the admin token)"
+          + (f"; without charts: uPlot's files {lacking} are missing (python -m "
+             "fedlang.deploy.assets)" if lacking else ""), flush=True)
 
 
 def _stopped(signum: int, what: str) -> NoReturn:

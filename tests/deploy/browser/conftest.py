@@ -140,7 +140,7 @@ def ort_assets():
     lacking = assets.missing()
     if lacking:
         pytest.skip(f"onnxruntime-web's files {lacking} are missing from {assets.ort_dir()}; "
-                    "`python -m fedlang.deploy.browser.assets` (run by scripts/browser_setup.sh) "
+                    "`python -m fedlang.deploy.assets` (run by scripts/browser_setup.sh) "
                     "fetches them with npm.")
     return assets.ort_dir()
 

@@ -39,6 +39,6 @@ def test_the_demo_page_is_served_on_request(server_factory, ort_assets):
 
 def test_a_server_without_onnxruntime_web_says_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDLANG_ORT_DIR", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match=r"python -m fedlang.deploy.browser.assets"):
+    with pytest.raises(FileNotFoundError, match=r"python -m fedlang.deploy.assets"):
         deploy.Server(db=tmp_path / "store.db", port=0, browser=True)
     assert assets.missing(tmp_path) == sorted(assets.FILES, key=list(assets.FILES).index)

@@ -1,9 +1,11 @@
 """What every route module of the server shares: the server's state as a dependency,
-path parameters, binary bodies and answers, and the long poll."""
+path parameters, binary bodies and answers, the long poll, and static files for
+browsers (the browser client, the dashboard)."""
 
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import time
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
@@ -17,6 +19,10 @@ from fedlang.deploy.server import schemas
 from fedlang.deploy.server import state as state_lib
 
 T = TypeVar("T")
+# The MIME types browsers require of modules and wasm (and the pages' other files).
+STATIC_TYPES = {".js": "text/javascript", ".mjs": "text/javascript", ".wasm": "application/wasm",
+                ".svg": "image/svg+xml", ".html": "text/html; charset=utf-8", ".css": "text/css",
+                ".txt": "text/plain"}
 
 
 async def _state(request: fastapi.Request) -> state_lib.ServerState:
@@ -63,3 +69,23 @@ async def long_poll(
         if done(first, row) or time.monotonic() >= end:
             return row
         await asyncio.sleep(min(interval, max(0.0, end - time.monotonic())))
+
+
+def static_files(directory: pathlib.Path, cache: str, headers: dict[str, str] | None = None) -> Any:
+    """An ASGI app serving `directory`'s files (`index.html` for a directory) with the
+    types of `STATIC_TYPES`, `cache` as their cache-control, and `headers` (e.g. a
+    content-security policy): mount it on the app."""
+    from starlette import staticfiles
+
+    extra = {"cache-control": cache, **(headers or {})}
+
+    class Static(staticfiles.StaticFiles):
+        def file_response(self, full_path: Any, *args: Any, **kwargs: Any) -> Any:
+            response = super().file_response(full_path, *args, **kwargs)
+            suffix = pathlib.Path(str(full_path)).suffix
+            if suffix in STATIC_TYPES:
+                response.headers["content-type"] = STATIC_TYPES[suffix]
+            response.headers.update(extra)
+            return response
+
+    return Static(directory=directory, html=True)

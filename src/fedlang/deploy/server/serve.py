@@ -267,6 +267,8 @@ class Server:
       browser: also serve the browser client (`/browser/fedlang.js` and onnxruntime-web,
         `fedlang.deploy.browser.routes`).
       demo_page: also serve the demo page at `/demo/` (implies `browser`).
+      dashboard: serve the operator's dashboard at `/dashboard/` (`server.dashboard`
+        in this package; what it shows needs the admin token).
       log_level: uvicorn's log level.
       access_log: log one line per request (uvicorn's access log: method, path, status;
         never a body).
@@ -300,6 +302,7 @@ class Server:
         log_level: str = "warning",
         browser: bool = False,
         demo_page: bool = False,
+        dashboard: bool = True,
         access_log: bool = False,
         limits: Limits | None = None,
         log_format: str | None = None,
@@ -329,6 +332,10 @@ class Server:
                 from fedlang.deploy.browser import routes
 
                 routes.mount(self.app, demo=demo_page)
+            if dashboard:
+                from fedlang.deploy.server import dashboard as dashboard_lib
+
+                dashboard_lib.mount(self.app)
             protocol = type("HeaderTimeout", (HeaderTimeout,),
                             {"header_timeout": limits.header_timeout})
             logging_config: dict[str, Any] | None = uvicorn.config.LOGGING_CONFIG
