@@ -3,7 +3,9 @@ the overview, and a real `fedlang serve` process's /metrics (parsed by prometheu
 own parser, equal to the API's counts) and JSON logs (every line of its stderr parsed)."""
 
 import contextlib
+import io
 import json
+import logging
 import os
 import re
 import subprocess
@@ -136,3 +138,34 @@ def test_a_served_round_is_counted_in_metrics_and_logged_as_json(serve_process, 
     (action,) = [e for e in logs if e.get("audit") and e["request_id"] == "op-42"]
     assert (action["method"], action["path"], action["status"]) == ("POST", f"{API}/admin/populations", 201)
     assert any(e["request_id"] == "op-42" and e["logger"].endswith("requests") for e in logs)
+
+
+def test_the_text_log_is_one_readable_line_with_the_request_id_under_a_request():
+    handler = logging.StreamHandler(io.StringIO())
+    handler.addFilter(telemetry._RequestId())
+    handler.setFormatter(telemetry._TextFormatter())
+    log = logging.getLogger("fedlang.test.telemetry")
+    log.addHandler(handler)
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    try:
+        log.info("outside %s", "requests")
+        token = telemetry.request_id.set("req-7")
+        log.warning("inside", extra={"status": 503})
+        telemetry.request_id.reset(token)
+    finally:
+        log.removeHandler(handler)
+    first, second = handler.stream.getvalue().splitlines()
+    assert first.endswith(" INFO fedlang.test.telemetry: outside requests")
+    assert second.endswith(" WARNING fedlang.test.telemetry: inside [request req-7]")
+    doc = json.loads(telemetry.JSONFormatter().format(logging.makeLogRecord(
+        {"name": "n", "levelname": "ERROR", "msg": "m", "request_id": "r", "status": 503})))
+    assert {k: doc[k] for k in ("level", "logger", "message", "request_id", "status")} == {
+        "level": "error", "logger": "n", "message": "m", "request_id": "r", "status": 503}
+
+
+def test_an_unknown_log_format_or_level_is_refused():
+    with pytest.raises(ValueError, match="log format 'text' or 'json', found 'xml'"):
+        telemetry.configure_logging("xml")
+    with pytest.raises(ValueError, match="log level of debug, info, warning, error, critical, found 'loud'"):
+        telemetry.configure_logging("json", "loud")

@@ -223,6 +223,9 @@ class Observe:
 
         try:
             await self.app(scope, counted, sending)
+        except BaseException:
+            status = status or 500  # what the server's error handler outside will answer
+            raise
         finally:
             telemetry.request_bytes.observe(size)
             seconds = time.perf_counter() - start
