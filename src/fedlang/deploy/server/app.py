@@ -53,8 +53,17 @@ def create_app(
         async def close_due() -> None:
             while True:
                 await asyncio.sleep(tick)
-                with contextlib.suppress(Exception):  # a database hiccup: try next tick
-                    await concurrency.run_in_threadpool(server.close_due)
+                # On its own task: cancelling the loop at shutdown must not leave a
+                # transaction running on a worker thread while the store is closed.
+                running = asyncio.ensure_future(concurrency.run_in_threadpool(server.close_due))
+                try:
+                    await asyncio.shield(running)
+                except asyncio.CancelledError:
+                    with contextlib.suppress(Exception):
+                        await running
+                    raise
+                except Exception:  # a database hiccup: try next tick
+                    pass
 
         task = asyncio.create_task(close_due())
         try:
