@@ -42,6 +42,11 @@ def serve(
     = None,
     min_retry: Annotated[float, typer.Option(metavar="SECONDS", help="Shortest wait between client check-ins.")]
     = 1.0,
+    checkins_per_second: Annotated[float, typer.Option(
+        metavar="RATE", help="Check-ins a second pace steering asks of each population (clients wait about its size / RATE seconds).")]
+    = 100.0,
+    max_retry: Annotated[float, typer.Option(metavar="SECONDS", help="Longest wait between client check-ins.")]
+    = 86400.0,
     credential_ttl: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds a client credential lasts.")]
     = 30 * 86400,
     ssl_keyfile: Annotated[str | None, typer.Option(metavar="PATH", help="TLS private key (PEM).")] = None,
@@ -85,7 +90,8 @@ def serve(
 
         try:
             server = server_lib.Server(
-                db, host, port, admin_token, key_file, pace=store_lib.Pace(min_retry=min_retry),
+                db, host, port, admin_token, key_file,
+                pace=store_lib.Pace(checkins_per_second, min_retry, max_retry),
                 credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
                 browser=browser, demo_page=demo_page, limits=server_lib.Limits(
                     header_timeout, body_timeout, keep_alive, max_connections),

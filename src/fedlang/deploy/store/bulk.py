@@ -13,14 +13,21 @@ what the caller keeps.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from fedlang.deploy import protocol
+from fedlang.deploy.store import sql
 from fedlang.deploy.store import store as store_lib
 
 MAX_BULK = 100_000  # clients a call enrolls at most
 CHUNK = 5_000  # rows a statement inserts
+# SQLite's page cache while a call inserts, in KiB: the two indexes of `clients` (its id
+# and its credential's hash) take random keys, and with SQLite's default 2 MB cache each
+# insert into a table of 10^6 clients rereads index pages (measured: 59 s for 10^6
+# clients, 25 s with 64 MB). Set back when the call ends.
+SQLITE_CACHE_KIB = 64 << 10
 
 
 def enroll_bulk(
@@ -58,17 +65,34 @@ def enroll_bulk(
             " last_seen) VALUES (?, ?, ?, ?, ?, ?)"
         )
         cursor = tx.conn.cursor()
-        for start in range(0, count, CHUNK):
-            made = [
-                ("c-" + secrets.token_hex(8), secrets.token_urlsafe(32))
-                for _ in range(min(CHUNK, count - start))
-            ]
-            cursor.executemany(insert, [
-                (client_id, population, store_lib.secret_hash(credential), now, expires, now)
-                for client_id, credential in made
-            ])
-            emit(made)
+        with _page_cache(tx):
+            for start in range(0, count, CHUNK):
+                made = [
+                    ("c-" + secrets.token_hex(8), secrets.token_urlsafe(32))
+                    for _ in range(min(CHUNK, count - start))
+                ]
+                cursor.executemany(insert, [
+                    (client_id, population, store_lib.secret_hash(credential), now, expires, now)
+                    for client_id, credential in made
+                ])
+                emit(made)
         tx.run("UPDATE populations SET clients = clients + ? WHERE name = ?", (count, population))
         tx.count("enrollments", count)
         tx.count("enrollments:bulk", count)
     return expires
+
+
+@contextlib.contextmanager
+def _page_cache(tx: sql.Tx) -> Iterator[None]:
+    """On SQLite, `SQLITE_CACHE_KIB` of page cache for the block, then the connection's
+    own size again (its extra pages freed: the connection goes back to the pool)."""
+    if not isinstance(tx.dialect, sql.SQLite):
+        yield
+        return
+    before = int(tx.one("PRAGMA cache_size")[0])
+    tx.run(f"PRAGMA cache_size=-{SQLITE_CACHE_KIB}")
+    try:
+        yield
+    finally:
+        tx.run(f"PRAGMA cache_size={before}")
+        tx.run("PRAGMA shrink_memory")

@@ -360,14 +360,8 @@ class Rounds:
                 tx.run("UPDATE rounds SET assigned = assigned + 1 WHERE id = ?", (r.id,))
                 tx.count("assignments")
                 return Task(r.id, r.plan, r.broadcast, r.deadline, r.kind)
-            wait = self.store.retry_after(int(pop[0]))
-            soonest = tx.one(
-                "SELECT MIN(deadline) FROM rounds WHERE population = ? AND state = ?",
-                (population, OPEN),
-            )[0]
-            if soonest is not None:  # a full round: come back when it may have closed
-                wait = min(wait, max(self.store.pace.min_retry, soonest - now))
-            return wait
+            # not sooner when a round is full: its deadline would gather a herd (`Pace`)
+            return self.store.retry_after(int(pop[0]))
 
     # -- reports
 
