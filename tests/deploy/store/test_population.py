@@ -105,6 +105,31 @@ def test_selection_is_uniform_over_the_population(fleet):
     assert counts.count(0) < 10  # P(never) = (1 - p)^60 ~ 2%: about 4 devices
 
 
+def test_a_selected_client_waits_as_if_it_had_not_been(store, token, clock):
+    """A client checks in again at once after its task (`Client.run` does): were the
+    next round open, it would be first in line, round after round, while the others
+    wait the pace's draw. It waits out its own draw from its assignment instead."""
+    pace = store.pace  # 0.5 s to 5 s; a population of 3: base 0.5 s, waits 0.25-0.75 s
+    ids = []
+    bulk.enroll_bulk(store, "pop", 3, 3600.0, lambda made: ids.extend(i for i, _ in made))
+    a, b, _ = ids
+    rounds = rounds_lib.Rounds(store)
+    one = rounds_lib.CohortOptions(target=1)
+    first = rounds.create("pop", "plan", "broadcast", one, b"")
+    assert rounds.checkin(a, "pop").round == first.id
+    clock.now += 0.1
+    assert rounds.accept(first.id, a, "digest", 1, bytes)  # closes the round
+    second = rounds.create("pop", "plan", "broadcast", one, b"")
+    wait = rounds.checkin(a, "pop")
+    rest = pace.rest(3, f"{a}/{first.id}")
+    assert isinstance(wait, float) and wait == pytest.approx(rest - 0.1, abs=1e-3)
+    assert rounds.checkin(a, "pop") == wait  # asking again changes nothing
+    assert rounds.checkin(b, "pop").round == second.id
+    clock.now += wait + 0.001  # (the wait is rounded to ms)
+    third = rounds.create("pop", "plan", "broadcast", one, b"")
+    assert rounds.checkin(a, "pop").round == third.id
+
+
 def test_check_ins_keep_their_pace_when_a_deadline_is_shorter_than_the_wait(fleet):
     # 1,000 devices asked to check in 10 times a second wait 100 s (+-50%); rounds fill in
     # about a second and last up to 30 s. Asking the devices that find a round full back

@@ -342,6 +342,15 @@ class Rounds:
             )
             if held is not None:  # a client that restarted gets its task again
                 return Task(held[0], held[1], held[2], held[3], protocol.TaskKind(held[4]))
+            last = tx.one(
+                "SELECT round, assigned FROM assignments WHERE client = ?"
+                " ORDER BY assigned DESC LIMIT 1",
+                (client_id,),
+            )
+            if last is not None:  # selected lately: the wait it would have had (`Pace.rest`)
+                rest = last[1] + self.store.pace.rest(int(pop[0]), f"{client_id}/{last[0]}") - now
+                if round(rest, 3) > 0:  # (a wait rounded to 0 would be asked again at once)
+                    return round(rest, 3)
             candidates = tx.all(
                 "SELECT id FROM rounds WHERE population = ? AND state = ? AND deadline > ?"
                 " AND assigned < capacity AND NOT EXISTS (SELECT 1 FROM assignments a"
