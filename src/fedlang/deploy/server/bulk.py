@@ -8,6 +8,12 @@ a call either enrolled them all or none; an answer lost on the way is not sent a
 (nothing can: the secrets are gone), and its clients, which never check in, can be
 revoked. The answer is built from compact per-chunk byte strings (about 75 bytes a
 client), never from one Python object per client.
+
+Why each credential is random and sent, not derived from one seed sent instead (32
+bytes for any count): the seed would be a secret worth every credential at once, to be
+handed to each device (so any one device could act as all of them) or split by the
+operator into per-device secrets anyway, which is this answer; and a server keeping it
+would hold every credential in the clear.
 """
 
 from __future__ import annotations
