@@ -5,7 +5,8 @@ options (`CohortOptions`: target, over-selection, quorum, deadline) and counters
 `kind` is `aggregate` (a plain round: one report per client) or `secure` (the four
 stages of SecAgg+, run by `secure.SecureRounds` on top of these rows; its reports carry
 the stage number of each client message). A checking-in client is assigned to an open
-round with room (`checkin`), or told when to come back (pace steering).
+round with room (`checkin`), or told when to come back (pace steering, `store.Pace`:
+a client selected lately waits out its rest first, so that selection stays uniform).
 
 Accepting a report is one transaction: it locks the round's row, admits the report
 (`admission`: a replay, a second report, a client not assigned, a round closed),
