@@ -20,7 +20,8 @@ Two measurements:
   `--checkins-per-second` and the busiest second is not a herd.
 
 Run: python bench/population.py [--sizes 10000,100000,1000000] [--fleet 1000,10000]
-(results in bench/README.md, "Populations at scale")
+(results in bench/README.md, "Populations at scale"); `--enroll-only URL` times only
+the store's bulk enrollment, in this process, on any database (e.g. PostgreSQL).
 """
 
 from __future__ import annotations
@@ -266,6 +267,25 @@ def fleet_row(n: int, target: int, rounds: int, rate: float, deadline: float,
     }
 
 
+def enroll_in_process(url: str, n: int) -> dict[str, Any]:
+    """`n` clients through `store.bulk` in this process (no HTTP), 100,000 a call, on
+    any database URL: the store's own cost, e.g. on PostgreSQL."""
+    store = store_lib.Store(url)
+    try:
+        name = f"bench-{time.time_ns()}"
+        store.create_population(name)
+        start, done = time.perf_counter(), 0
+        while done < n:
+            k = min(bulk.MAX_BULK, n - done)
+            bulk.enroll_bulk(store, name, k, 3600.0, lambda made: None)
+            done += k
+        seconds = time.perf_counter() - start
+    finally:
+        store.close()
+    return {"database": store.dialect.name, "enrolled": n, "enroll_s": round(seconds, 1),
+            "enroll_per_s": round(n / seconds)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000,100000,1000000",
@@ -273,7 +293,13 @@ def main() -> None:
     parser.add_argument("--checkins", type=int, default=4000, help="Check-ins measured per size.")
     parser.add_argument("--fleet", default="1000,10000", help="Devices of each fleet run.")
     parser.add_argument("--rounds", type=int, default=60, help="Rounds of each fleet run.")
+    parser.add_argument("--enroll-only", metavar="URL",
+                        help="Only enroll max(--sizes) clients in this process on this database.")
     args = parser.parse_args()
+    if args.enroll_only:
+        n = max(int(x) for x in args.sizes.split(",") if x)
+        print(json.dumps(enroll_in_process(args.enroll_only, n)), flush=True)
+        return
     work = pathlib.Path(tempfile.mkdtemp(prefix="fedlang-bench-population-"))
     for n in (int(x) for x in args.sizes.split(",") if x):
         print(json.dumps(serve_row(n, min(args.checkins, n), 100.0, work)), flush=True)
