@@ -192,3 +192,9 @@ def test_status_keeps_its_full_table_in_a_file_and_prints_json(server):
     doc = json.loads(out.stdout)
     assert [p["name"] for p in doc["populations"]] == sorted(["pop", name])
     assert doc["enrollments"] == _enrollments(server)
+
+
+def test_serve_refuses_a_pace_that_cannot_be_kept(tmp_path):
+    refused = fedlang("serve", "--db", tmp_path / "store.db", "--port", "0",
+                      "--min-retry", 10, "--max-retry", 5, timeout=60)
+    one_sentence_error(refused, 1, "0 < min_retry <= max_retry", "min_retry 10.0")

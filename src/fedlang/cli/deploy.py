@@ -1,5 +1,6 @@
 """`fedlang serve`, `fedlang client`, `fedlang status URL`, `fedlang revoke`,
-`fedlang rotate-token` and `fedlang device-tokens`: the deployment's commands.
+`fedlang rotate-token`, `fedlang device-tokens` and `fedlang enroll-bulk`: the
+deployment's commands.
 
 FastAPI, uvicorn and httpx (`pip install 'fedlang[deploy]'`) are imported only when a
 command runs.
@@ -41,6 +42,11 @@ def serve(
     = None,
     min_retry: Annotated[float, typer.Option(metavar="SECONDS", help="Shortest wait between client check-ins.")]
     = 1.0,
+    checkins_per_second: Annotated[float, typer.Option(
+        metavar="RATE", help="Check-ins a second pace steering asks of each population (clients wait about its size / RATE seconds).")]
+    = 100.0,
+    max_retry: Annotated[float, typer.Option(metavar="SECONDS", help="Longest wait between client check-ins.")]
+    = 86400.0,
     credential_ttl: Annotated[float, typer.Option(metavar="SECONDS", help="Seconds a client credential lasts.")]
     = 30 * 86400,
     ssl_keyfile: Annotated[str | None, typer.Option(metavar="PATH", help="TLS private key (PEM).")] = None,
@@ -93,7 +99,8 @@ def serve(
 
         try:
             server = server_lib.Server(
-                db, host, port, admin_token, key_file, pace=store_lib.Pace(min_retry=min_retry),
+                db, host, port, admin_token, key_file,
+                pace=store_lib.Pace(checkins_per_second, min_retry, max_retry),
                 credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
                 browser=browser, demo_page=demo_page, limits=server_lib.Limits(
                     header_timeout, body_timeout, keep_alive, max_connections),
@@ -411,13 +418,40 @@ def device_tokens(
         console.out.print(token, soft_wrap=True)
 
 
+def enroll_bulk(
+    url: Annotated[str, typer.Argument(metavar="URL", help="The server's URL.")],
+    population: Annotated[str, typer.Argument(metavar="POPULATION", help="The population.")],
+    count: Annotated[int, typer.Argument(min=1, metavar="N", help="How many clients.")],
+    admin_token: AdminToken,
+    out: Annotated[pathlib.Path, typer.Option(
+        metavar="FILE", help="A new file for the credentials (NDJSON, readable by you only).")],
+) -> None:
+    """Enroll N clients of a population at once and write their credentials to a new file
+    (shown once: the server keeps only their hashes)."""
+    try:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        console.fail(f"Expected --out to name a new file (credentials are never "
+                     f"overwritten), found {out}: {e.strerror}; pick another name.")
+    with os.fdopen(fd, "wb") as f:
+        try:
+            done = _admin_call(url, admin_token, lambda a: a.enroll_bulk(population, count, f))
+        except typer.Exit:
+            if f.tell() == 0:  # nothing enrolled: no file left behind (a partial one is kept)
+                out.unlink()
+            raise
+    console.out.print(f"enrolled {done} clients of {escape(population)}; their credentials "
+                      f"are in {escape(str(out))}")
+
+
 def register(app: typer.Typer) -> None:
-    """Adds `fedlang serve`, `client`, `status`, `revoke`, `rotate-token` and
-    `device-tokens` to the `fedlang` app."""
+    """Adds `fedlang serve`, `client`, `status`, `revoke`, `rotate-token`,
+    `device-tokens` and `enroll-bulk` to the `fedlang` app."""
     app.command()(serve)
     app.command()(client)
     app.command()(status)
     app.command()(revoke)
     app.command("rotate-token")(rotate_token)
     app.command("device-tokens")(device_tokens)
+    app.command("enroll-bulk")(enroll_bulk)
 

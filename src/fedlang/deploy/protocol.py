@@ -21,6 +21,7 @@ from typing import Any
 API = "/v1"
 BLOB_HASH = r"^[0-9a-f]{64}$"  # blobs are named by the SHA-256 of their bytes, in hex
 BINARY = "application/octet-stream"
+NDJSON = "application/x-ndjson"  # one JSON document a line (bulk enrollment's answer)
 
 
 class TaskKind(enum.StrEnum):

@@ -3,10 +3,37 @@ rounds, the status."""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from collections.abc import Iterator
+from typing import IO, Any
 
 from fedlang.deploy import protocol
 from fedlang.deploy.client import connection as connection_lib
+
+BULK_PER_CALL = 100_000  # the server's most clients a bulk enrollment request
+
+
+def read_credentials(lines: Iterator[bytes] | IO[bytes]) -> Iterator[dict[str, Any]]:
+    """The credentials `Admin.enroll_bulk` wrote, one document per client as a
+    `Client`'s credential file holds it (client_id, credential, public_key, server,
+    population, expires), read line by line (a file of a million is never held whole).
+
+    Raises:
+      ValueError: a line that is not such a file's.
+    """
+    head: dict[str, Any] | None = None
+    for number, line in enumerate(lines, 1):
+        try:
+            doc = json.loads(line)
+            if head is None:
+                head = {k: doc[k] for k in ("population", "expires", "public_key", "server")}
+                continue
+            yield {**head, "client_id": doc["client_id"], "credential": doc["credential"]}
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"Expected bulk enrollment credentials (NDJSON from `fedlang enroll-bulk`), "
+                f"found line {number} unlike them ({e})."
+            ) from e
 
 
 class Admin:
@@ -46,6 +73,34 @@ class Admin:
         return self._json(
             "POST", f"/admin/populations/{population}/device-tokens", json={"count": count}
         )["tokens"]
+
+    def enroll_bulk(
+        self, population: str, count: int, out: IO[bytes], per_call: int = BULK_PER_CALL
+    ) -> int:
+        """Enrolls `count` clients of `population`, `per_call` a request, and writes their
+        credentials to `out` as NDJSON: a header line (population, count, expires,
+        public_key, server), then one `{"client_id", "credential"}` line per client
+        (`read_credentials` reads it back). The secrets are shown once: keep `out` as you
+        would the admin token. A request is not retried (a retry would enroll other
+        clients); one that fails after the server enrolled its clients leaves them
+        unknown: revoke them or let their credentials expire. Returns the clients written.
+        """
+        if count < 1:
+            raise ValueError(f"Expected at least 1 client to enroll, found {count}.")
+        path = f"{protocol.API}/admin/populations/{population}/clients:bulk"
+        done = 0
+        while done < count:
+            n = min(per_call, count - done)
+            body = self.connection.request(
+                "POST", path, token=self.token, retry=False, json={"count": n}
+            ).content
+            head, _, lines = body.partition(b"\n")
+            if done == 0:
+                doc = {**json.loads(head), "count": count, "server": self.connection.url}
+                out.write(json.dumps(doc).encode() + b"\n")
+            out.write(lines)
+            done += n
+        return done
 
     def revoke_client(self, client_id: str) -> str:
         """Revokes a client's credential; returns its population."""

@@ -22,6 +22,7 @@ from starlette import concurrency
 
 from fedlang.deploy import protocol
 from fedlang.deploy.server import (
+    bulk,
     common,
     guard,
     ops,
@@ -34,8 +35,8 @@ from fedlang.deploy.server import (
 )
 from fedlang.deploy.server import state as state_lib
 
-ROUTERS = (common.router, rounds.router, secure.router, sessions.router, ops.router,
-           ops.metrics_router)
+ROUTERS = (common.router, rounds.router, secure.router, sessions.router, bulk.router,
+           ops.router, ops.metrics_router)
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorOut, "description": e.__doc__ or ""}
     for status, e in protocol.ERRORS.items()

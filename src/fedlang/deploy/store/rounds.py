@@ -5,7 +5,8 @@ options (`CohortOptions`: target, over-selection, quorum, deadline) and counters
 `kind` is `aggregate` (a plain round: one report per client) or `secure` (the four
 stages of SecAgg+, run by `secure.SecureRounds` on top of these rows; its reports carry
 the stage number of each client message). A checking-in client is assigned to an open
-round with room (`checkin`), or told when to come back (pace steering).
+round with room (`checkin`), or told when to come back (pace steering, `store.Pace`:
+a client selected lately waits out its rest first, so that selection stays uniform).
 
 Accepting a report is one transaction: it locks the round's row, admits the report
 (`admission`: a replay, a second report, a client not assigned, a round closed),
@@ -355,6 +356,15 @@ class Rounds:
             )
             if held is not None:  # a client that restarted gets its task again
                 return Task(held[0], held[1], held[2], held[3], protocol.TaskKind(held[4]))
+            last = tx.one(
+                "SELECT round, assigned FROM assignments WHERE client = ?"
+                " ORDER BY assigned DESC LIMIT 1",
+                (client_id,),
+            )
+            if last is not None:  # selected lately: the wait it would have had (`Pace.rest`)
+                rest = last[1] + self.store.pace.rest(int(pop[0]), f"{client_id}/{last[0]}") - now
+                if round(rest, 3) > 0:  # (a wait rounded to 0 would be asked again at once)
+                    return round(rest, 3)
             candidates = tx.all(
                 "SELECT id FROM rounds WHERE population = ? AND state = ? AND deadline > ?"
                 " AND assigned < capacity AND NOT EXISTS (SELECT 1 FROM assignments a"
@@ -373,14 +383,8 @@ class Rounds:
                 tx.run("UPDATE rounds SET assigned = assigned + 1 WHERE id = ?", (r.id,))
                 tx.count("assignments")
                 return Task(r.id, r.plan, r.broadcast, r.deadline, r.kind)
-            wait = self.store.retry_after(int(pop[0]))
-            soonest = tx.one(
-                "SELECT MIN(deadline) FROM rounds WHERE population = ? AND state = ?",
-                (population, OPEN),
-            )[0]
-            if soonest is not None:  # a full round: come back when it may have closed
-                wait = min(wait, max(self.store.pace.min_retry, soonest - now))
-            return wait
+            # not sooner when a round is full: its deadline would gather a herd (`Pace`)
+            return self.store.retry_after(int(pop[0]))
 
     # -- reports
 
