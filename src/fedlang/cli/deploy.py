@@ -59,13 +59,34 @@ def serve(
     max_connections: Annotated[int, typer.Option(
         metavar="N", help="Connections and requests at once (more get 503; clients retry).")]
     = 1000,
+    upstream: Annotated[str | None, typer.Option(
+        metavar="URL", help="Run as an edge aggregator of this root server: serve its rounds to this server's clients and forward one partial aggregate per round.")]
+    = None,
+    upstream_token: Annotated[str | None, typer.Option(
+        envvar="FEDLANG_UPSTREAM_TOKEN", metavar="TOKEN", help="The edge's token, made by the root's admin (POST /v1/admin/edges).")]
+    = None,
+    upstream_key: Annotated[str | None, typer.Option(
+        metavar="BASE64", help="The root's public key to pin (default: the one it shows on first contact).")]
+    = None,
+    ephemeral: Annotated[bool, typer.Option(
+        help="An edge whose store is temporary (removed when it stops): a killed edge's clients count as dropouts at the root.")]
+    = False,
 ) -> None:
     """Serve a task store: clients check in for tasks; the driver opens rounds.
+
+    With --upstream URL it is an edge aggregator: its clients enroll with its own
+    population token and pin its key; it serves the root's rounds and forwards their
+    partial aggregates to the root.
 
     Ctrl-C or SIGTERM stops it (exit status 130 or 143) once the requests in progress
     end; it says where the acknowledged reports are kept. It refuses a port in use and
     an SQLite database another server holds.
     """
+    if (upstream is None) != (upstream_token is None):
+        console.fail("--upstream and --upstream-token go together: give both to run an edge "
+                     "aggregator, or neither.", 2)
+    if ephemeral and upstream is None:
+        console.fail("--ephemeral is for an edge aggregator; give --upstream URL too.", 2)
     # Ctrl-C and SIGTERM are noted from the start (imports take seconds) and stop the
     # server; while it serves uvicorn takes them, and raises them again once it stops
     stopped: list[int] = []
@@ -82,6 +103,12 @@ def serve(
         from fedlang.deploy.server import serve as server_lib
         from fedlang.deploy.store import store as store_lib
 
+        temporary = None
+        if ephemeral:
+            import tempfile
+
+            temporary = tempfile.TemporaryDirectory(prefix="fedlang-edge-")
+            db = str(pathlib.Path(temporary.name) / "edge.db")
         try:
             server = server_lib.Server(
                 db, host, port, admin_token, key_file, pace=store_lib.Pace(min_retry=min_retry),
@@ -103,6 +130,10 @@ def serve(
         else:
             print("admin token: the one given (--admin-token or FEDLANG_ADMIN_TOKEN)", flush=True)
         print(f"public key: {base64.b64encode(server.public_key).decode()}", flush=True)
+        edge = None
+        if upstream is not None:
+            edge = _edge(server, upstream, upstream_token or "", upstream_key)
+            population = [p for p in population or [] if p != edge.population]
         for name in population or []:
             try:
                 token = server.store.create_population(name)
@@ -112,10 +143,15 @@ def serve(
                           flush=True)
             except protocol.Conflict:
                 print(f"population {name} exists (its token was printed when it was made)", flush=True)
-        made.append(server)
+        running = server if edge is None else edge
+        made.append(running)
         if stopped:  # before `made` had it
-            server.request_stop()
-        server.serve()  # returns at once if asked to stop
+            running.request_stop()
+        try:
+            running.serve()  # returns at once if asked to stop
+        finally:
+            if temporary is not None:
+                temporary.cleanup()
         if stopped:
             _stopped(stopped[0], f"the server stopped; every report it acknowledged is kept in "
                                  f"{_database(db)} (the same command serves it again); clients "
@@ -123,6 +159,27 @@ def serve(
     finally:  # as they were (a command run in-process, e.g. by a test, leaves no trace)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _edge(server: Any, upstream: str, token: str, key: str | None) -> Any:
+    """The edge aggregator serving `server`'s clients for the root at `upstream`, after
+    its first contact; prints its population's token when made now."""
+    from fedlang.deploy import protocol
+    from fedlang.deploy.edge import edge as edge_lib
+    try:  # the root unreachable (ServerUnavailable is an OSError), the token refused, a bad key
+        pinned = None if key is None else base64.b64decode(key, validate=True)
+        edge = edge_lib.Edge(server, upstream, token, upstream_key=pinned)
+        name = edge.connect()
+    except (ValueError, OSError, RuntimeError, protocol.ProtocolError) as e:
+        server.close()
+        console.fail(f"the edge could not start with the root at {upstream}: {e}")
+    print(f"edge aggregator of {edge.link.url}, population {name}", flush=True)
+    token_made = edge.create_population()
+    if token_made is not None:
+        print(f"population {name} token: {token_made}", flush=True)
+    else:
+        print(f"population {name} exists (its token was printed when it was made)", flush=True)
+    return edge
 
 
 def _stopped(signum: int, what: str) -> NoReturn:

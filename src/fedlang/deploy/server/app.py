@@ -20,10 +20,10 @@ from fastapi import responses
 from starlette import concurrency
 
 from fedlang.deploy import protocol
-from fedlang.deploy.server import common, guard, rounds, routing, schemas, secure, sessions
+from fedlang.deploy.server import common, edges, guard, rounds, routing, schemas, secure, sessions
 from fedlang.deploy.server import state as state_lib
 
-ROUTERS = (common.router, rounds.router, secure.router, sessions.router)
+ROUTERS = (common.router, rounds.router, secure.router, sessions.router, edges.router)
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorOut, "description": e.__doc__ or ""}
     for status, e in protocol.ERRORS.items()

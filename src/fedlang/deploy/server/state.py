@@ -9,6 +9,7 @@ from typing import Any
 from fedlang.core import signing
 from fedlang.deploy.plans import cache
 from fedlang.deploy.plans import round as plan_lib
+from fedlang.deploy.store import edges as edges_lib
 from fedlang.deploy.store import rounds as rounds_lib
 from fedlang.deploy.store import secure as secure_lib
 from fedlang.deploy.store import sessions as sessions_lib
@@ -47,6 +48,7 @@ class ServerState:
         self.rounds = rounds_lib.Rounds(store)
         self.secure = secure_lib.SecureRounds(self.rounds, self.verified.folder)
         self.sessions = sessions_lib.Sessions(store)  # buffered (FedBuff) sessions
+        self.edges = edges_lib.Edges(self.rounds)  # edge aggregators' shares of rounds
 
     def close_due(self) -> None:
         """Closes the rounds, and the secure rounds' stages, whose time is up."""
