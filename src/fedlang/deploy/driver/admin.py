@@ -60,6 +60,10 @@ class Admin:
         """Revokes an edge: its token is refused from now on."""
         self._json("DELETE", f"/admin/edges/{name}")
 
+    def edge_shares(self, round_id: int) -> list[dict[str, Any]]:
+        """The edges' shares of a round: seats, target, and what each forwarded."""
+        return self._json("GET", f"/admin/rounds/{round_id}/edges")
+
     def populations(self) -> list[dict[str, Any]]:
         return self._json("GET", "/admin/populations")
 
