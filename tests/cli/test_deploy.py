@@ -192,3 +192,17 @@ def test_status_keeps_its_full_table_in_a_file_and_prints_json(server):
     doc = json.loads(out.stdout)
     assert [p["name"] for p in doc["populations"]] == sorted(["pop", name])
     assert doc["enrollments"] == _enrollments(server)
+
+
+def test_an_edge_needs_its_root_and_a_token_the_root_made(tmp_path, server):
+    alone, ephemeral, refused = fedlang_all(
+        ["serve", "--db", tmp_path / "a.db", "--port", "0", "--upstream", server.url],
+        ["serve", "--db", tmp_path / "b.db", "--port", "0", "--ephemeral"],
+        ["serve", "--db", tmp_path / "c.db", "--port", "0", "--upstream", server.url,
+         "--upstream-token", "not-a-token"],
+        timeout=120,
+    )
+    one_sentence_error(alone, 2, "--upstream URL and --upstream-token TOKEN together")
+    one_sentence_error(ephemeral, 2, "--upstream URL with --ephemeral")
+    one_sentence_error(refused, 1, f"the root at {server.url} to take this edge",
+                       "Expected an edge token made by the root's admin")

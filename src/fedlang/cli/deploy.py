@@ -83,10 +83,11 @@ def serve(
     an SQLite database another server holds.
     """
     if (upstream is None) != (upstream_token is None):
-        console.fail("--upstream and --upstream-token go together: give both to run an edge "
-                     "aggregator, or neither.", 2)
+        console.fail("Expected --upstream URL and --upstream-token TOKEN together (an edge "
+                     "aggregator), found only one; give both, or neither.", 2)
     if ephemeral and upstream is None:
-        console.fail("--ephemeral is for an edge aggregator; give --upstream URL too.", 2)
+        console.fail("Expected --upstream URL with --ephemeral (an edge aggregator), found "
+                     "none; give the root's URL and --upstream-token.", 2)
     # Ctrl-C and SIGTERM are noted from the start (imports take seconds) and stop the
     # server; while it serves uvicorn takes them, and raises them again once it stops
     stopped: list[int] = []
@@ -172,7 +173,7 @@ def _edge(server: Any, upstream: str, token: str, key: str | None) -> Any:
         name = edge.connect()
     except (ValueError, OSError, RuntimeError, protocol.ProtocolError) as e:
         server.close()
-        console.fail(f"the edge could not start with the root at {upstream}: {e}")
+        console.fail(f"Expected the root at {upstream} to take this edge, found: {e}")
     print(f"edge aggregator of {edge.link.url}, population {name}", flush=True)
     token_made = edge.create_population()
     if token_made is not None:
