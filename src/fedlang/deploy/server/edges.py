@@ -185,7 +185,7 @@ async def edge_rounds(
         rounds = await concurrency.run_in_threadpool(server.edges.open_rounds, name, population)
         if loop.time() >= end or any(share is None for _, share in rounds):
             break
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(min(0.5, max(0.0, end - loop.time())))  # a new round: within 0.5 s
     populations = await concurrency.run_in_threadpool(server.store.populations)
     finished = any(p["name"] == population and p["finished"] for p in populations)
     return EdgeRoundsOut(population=population, finished=finished,
