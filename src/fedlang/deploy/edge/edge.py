@@ -166,6 +166,9 @@ class Edge:
                     protocol.ProtocolError, OSError) as e:
                 log.warning("edge: the root did not answer (%s); trying again", e)
                 self._stop.wait(self.poll)
+            except Exception:  # a plan whose signature fails, a broken database: said, retried
+                log.exception("edge: a pass with the root failed; trying again")
+                self._stop.wait(self.poll)
 
     # -- one pass
 
@@ -230,12 +233,9 @@ class Edge:
         acknowledged; returns how many the root took."""
         taken = 0
         for m in self.upstream.mirrors(pending=True):
+            if self.state.rounds.round(m.round).state == rounds_lib.OPEN:  # closes it when due
+                continue
             r, aggregate = self.state.rounds.aggregate(m.round)
-            if r.state == rounds_lib.OPEN:
-                if r.deadline > self.state.store.clock():
-                    continue
-                self.state.rounds.close_due()
-                r, aggregate = self.state.rounds.aggregate(m.round)
             folder = self.state.verified.folder(r.plan)
             body = folder.encode_partial(aggregate, r.reports, r.dropped)
             try:
