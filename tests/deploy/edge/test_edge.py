@@ -129,9 +129,9 @@ def _drive(url, admin_token, result, **options):
 
 @pytest.mark.slow
 def test_an_edge_killed_mid_round_restarts_and_forwards_every_report_it_acknowledged(
-    tmp_path, client_threads
+    db_url, tmp_path, client_threads
 ):
-    root = ServerProcess(tmp_path / "root.db", tmp_path).start()
+    root = ServerProcess(db_url, tmp_path).start()  # the root on SQLite, then PostgreSQL
     edges = []
     gates = [Gated(np.full((2, 3), i + 1)) for i in range(6)]
     driver = None
