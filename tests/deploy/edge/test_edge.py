@@ -82,6 +82,11 @@ def test_a_round_through_two_edges_equals_one_server_and_the_simulation(
             (r,) = edge.state.rounds.rounds()
             assert (r.state, r.reports) == ("closed", 3)
             assert [m.outcome for m in edge.upstream.mirrors()] == ["accepted"]
+        with deploy.Admin(root.url, root.admin_token) as admin:
+            admin.finish_population("pop")  # the edges' clients are told so too
+        for edge in edges:
+            wait_for(lambda e=edge: e.state.store.populations()[0]["finished"], "finished",
+                     timeout=30)
     finally:
         for edge in edges:
             edge.stop()
@@ -217,3 +222,16 @@ def test_a_killed_ephemeral_edge_s_clients_are_dropouts_and_the_round_closes(
             driver.join(timeout=60)
         for p in [*edges, root]:
             p.kill()
+
+
+def test_an_edge_refuses_a_root_whose_key_is_not_the_one_it_pinned(tmp_path, server_factory):
+    root = server_factory(tmp_path / "root.db")
+    with deploy.Admin(root.url, root.admin_token) as admin:
+        admin.create_population("pop")
+        token = admin.create_edge("east", "pop")
+    edge = make_edge(tmp_path, "east", root.url, token, upstream_key=bytes(32))
+    try:
+        with pytest.raises(edge_lib.KeyMismatch, match=r"Expected the root .* to sign with the key"):
+            edge.connect()
+    finally:
+        edge.stop()
