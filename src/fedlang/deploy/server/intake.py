@@ -22,9 +22,10 @@ in the task: `Uploads.count_refusal`).
 
 A mode is an `Uploads`: how to find its tasks, its limit, its admission, its check and
 how it accepts (`rounds.ReportUploads`, `secure.AnswerUploads`,
-`sessions.ReportUploads`, an edge's partial aggregate: `edges.PartialUploads`, whose
-uploader is an edge authenticated by its token). A new mode writes one; a check every upload must pass (a
-bound the plan declares, a limit) is added here, once, not in the modes.
+`sessions.ReportUploads`, and an edge aggregator's partial aggregate of a round,
+`edges.PartialUploads`, whose uploader is an edge authenticated by its token: `take`'s
+`authenticate`). A new mode writes one; a check every upload must pass (a bound the
+plan declares, a limit) is added here, once, not in the modes.
 """
 
 from __future__ import annotations
