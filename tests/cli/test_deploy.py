@@ -3,6 +3,7 @@ through the real command: how they start, refuse and stop."""
 
 import concurrent.futures
 import json
+import pathlib
 import signal
 import socket
 import subprocess
@@ -206,3 +207,19 @@ def test_an_edge_needs_its_root_and_a_token_the_root_made(tmp_path, server):
     one_sentence_error(ephemeral, 2, "--upstream URL with --ephemeral")
     one_sentence_error(refused, 1, f"the root at {server.url} to take this edge",
                        "Expected an edge token made by the root's admin")
+
+
+def test_an_ephemeral_edge_stops_on_sigterm_saying_that_it_kept_nothing(tmp_path, server):
+    with deploy.Admin(server.url, server.admin_token) as admin:
+        token = admin.create_edge("east", "pop")
+    status, out, err = _stopped_by(
+        signal.SIGTERM, tmp_path / "edge",
+        ["serve", "--port", "0", "--upstream", server.url, "--upstream-token", token,
+         "--ephemeral"], "population pop token")
+    assert f"edge aggregator of {server.url}, population pop" in out
+    assert status == 143, err
+    assert " ".join(err.split()) == (
+        "Terminated: the ephemeral edge stopped and its store is removed: the root counts its "
+        "clients as dropouts of the rounds it held."), err
+    store = out.split("(database ")[1].split(")")[0]
+    assert not pathlib.Path(store).parent.exists()  # the temporary store is gone

@@ -154,6 +154,9 @@ def serve(
             if temporary is not None:
                 temporary.cleanup()
         if stopped:
+            if ephemeral:
+                _stopped(stopped[0], "the ephemeral edge stopped and its store is removed: the "
+                                     "root counts its clients as dropouts of the rounds it held")
             _stopped(stopped[0], f"the server stopped; every report it acknowledged is kept in "
                                  f"{_database(db)} (the same command serves it again); clients "
                                  "retry until it is back, for their --patience")
