@@ -159,3 +159,32 @@ def test_a_version_5_database_gains_the_edge_tables(store):
         assert edges_lib.Edges(rounds_lib.Rounds(reopened)).edges() == []
     finally:
         reopened.close()
+
+
+def test_concurrent_joins_and_checkins_never_exceed_the_round_s_capacity(edges, rounds, store,
+                                                                         folder, token):
+    import threading
+
+    for name in ("east", "west"):
+        edges.create(name, "pop")
+    r = open_round(rounds, folder, target=8)  # capacity 8: 4 seats per edge, or clients
+    clients = enroll(store, 8, token=token)
+    results, start = [], threading.Barrier(10)
+
+    def act(fn, *args):
+        start.wait()
+        try:
+            results.append(fn(*args))
+        except protocol.Conflict as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=act, args=(edges.join, name, "pop", r.id))
+               for name in ("east", "west")]
+    threads += [threading.Thread(target=act, args=(rounds.checkin, c, "pop")) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    seats = sum(s.capacity for s in edges.shares(r.id))
+    tasks = sum(isinstance(x, rounds_lib.Task) for x in results)
+    assert seats + tasks == rounds.round(r.id).assigned == 8
