@@ -377,3 +377,12 @@ def test_only_serve_imports_the_server_app():
 def test_the_deploy_rules_see_imports_inside_functions():
     imports = dict(_all_imports(DEPLOY / "driver" / "rounds.py"))
     assert "fedlang.deploy.browser" in imports  # imported inside deployment_context
+
+
+def test_only_the_command_line_imports_the_edge():
+    offenders = [
+        f"{path.relative_to(SRC)}:{line}"
+        for path in sorted(DEPLOY.rglob("*.py")) if DEPLOY / "edge" not in path.parents
+        for dotted, line in _all_imports(path) if dotted.startswith("fedlang.deploy.edge")
+    ]
+    assert not offenders, "an edge is built on a server, never under one: " + ", ".join(offenders)

@@ -3,6 +3,7 @@ through the real command: how they start, refuse and stop."""
 
 import concurrent.futures
 import json
+import pathlib
 import signal
 import socket
 import subprocess
@@ -198,3 +199,33 @@ def test_serve_refuses_a_pace_that_cannot_be_kept(tmp_path):
     refused = fedlang("serve", "--db", tmp_path / "store.db", "--port", "0",
                       "--min-retry", 10, "--max-retry", 5, timeout=60)
     one_sentence_error(refused, 1, "0 < min_retry <= max_retry", "min_retry 10.0")
+
+
+def test_an_edge_needs_its_root_and_a_token_the_root_made(tmp_path, server):
+    alone, ephemeral, refused = fedlang_all(
+        ["serve", "--db", tmp_path / "a.db", "--port", "0", "--upstream", server.url],
+        ["serve", "--db", tmp_path / "b.db", "--port", "0", "--ephemeral"],
+        ["serve", "--db", tmp_path / "c.db", "--port", "0", "--upstream", server.url,
+         "--upstream-token", "not-a-token"],
+        timeout=120,
+    )
+    one_sentence_error(alone, 2, "--upstream URL and --upstream-token TOKEN together")
+    one_sentence_error(ephemeral, 2, "--upstream URL with --ephemeral")
+    one_sentence_error(refused, 1, f"the root at {server.url} to take this edge",
+                       "Expected an edge token made by the root's admin")
+
+
+def test_an_ephemeral_edge_stops_on_sigterm_saying_that_it_kept_nothing(tmp_path, server):
+    with deploy.Admin(server.url, server.admin_token) as admin:
+        token = admin.create_edge("east", "pop")
+    status, out, err = _stopped_by(
+        signal.SIGTERM, tmp_path / "edge",
+        ["serve", "--port", "0", "--upstream", server.url, "--upstream-token", token,
+         "--ephemeral"], "population pop token")
+    assert f"edge aggregator of {server.url}, population pop" in out
+    assert status == 143, err
+    assert " ".join(err.split()) == (
+        "Terminated: the ephemeral edge stopped and its store is removed: the root counts its "
+        "clients as dropouts of the rounds it held."), err
+    store = out.split("(database ")[1].split(")")[0]
+    assert not pathlib.Path(store).parent.exists()  # the temporary store is gone

@@ -74,13 +74,35 @@ def serve(
     metrics_port: Annotated[int | None, typer.Option(
         metavar="N", help="Also serve /metrics (Prometheus) without a token on 127.0.0.1:N (0: any free port).")]
     = None,
+    upstream: Annotated[str | None, typer.Option(
+        metavar="URL", help="Run as an edge aggregator of this root server: serve its rounds to this server's clients and forward one partial aggregate per round.")]
+    = None,
+    upstream_token: Annotated[str | None, typer.Option(
+        envvar="FEDLANG_UPSTREAM_TOKEN", metavar="TOKEN", help="The edge's token, made by the root's admin (POST /v1/admin/edges).")]
+    = None,
+    upstream_key: Annotated[str | None, typer.Option(
+        metavar="BASE64", help="The root's public key to pin (default: the one it shows on first contact).")]
+    = None,
+    ephemeral: Annotated[bool, typer.Option(
+        help="An edge whose store is temporary (removed when it stops): a killed edge's clients count as dropouts at the root.")]
+    = False,
 ) -> None:
     """Serve a task store: clients check in for tasks; the driver opens rounds.
+
+    With --upstream URL it is an edge aggregator: its clients enroll with its own
+    population token and pin its key; it serves the root's rounds and forwards their
+    partial aggregates to the root.
 
     Ctrl-C or SIGTERM stops it (exit status 130 or 143) once the requests in progress
     end; it says where the acknowledged reports are kept. It refuses a port in use and
     an SQLite database another server holds.
     """
+    if (upstream is None) != (upstream_token is None):
+        console.fail("Expected --upstream URL and --upstream-token TOKEN together (an edge "
+                     "aggregator), found only one; give both, or neither.", 2)
+    if ephemeral and upstream is None:
+        console.fail("Expected --upstream URL with --ephemeral (an edge aggregator), found "
+                     "none; give the root's URL and --upstream-token.", 2)
     # Ctrl-C and SIGTERM are noted from the start (imports take seconds) and stop the
     # server; while it serves uvicorn takes them, and raises them again once it stops
     stopped: list[int] = []
@@ -97,6 +119,12 @@ def serve(
         from fedlang.deploy.server import serve as server_lib
         from fedlang.deploy.store import store as store_lib
 
+        temporary = None
+        if ephemeral:
+            import tempfile
+
+            temporary = tempfile.TemporaryDirectory(prefix="fedlang-edge-")
+            db = str(pathlib.Path(temporary.name) / "edge.db")
         try:
             server = server_lib.Server(
                 db, host, port, admin_token, key_file,
@@ -125,6 +153,10 @@ def serve(
         print(f"public key: {base64.b64encode(server.public_key).decode()}", flush=True)
         if server.metrics_url is not None:
             print(f"metrics: {server.metrics_url} (no token; loopback only)", flush=True)
+        edge = None
+        if upstream is not None:
+            edge = _edge(server, upstream, upstream_token or "", upstream_key)
+            population = [p for p in population or [] if p != edge.population]
         for name in population or []:
             try:
                 token = server.store.create_population(name)
@@ -134,14 +166,23 @@ def serve(
                           flush=True)
             except protocol.Conflict:
                 print(f"population {name} exists (its token was printed when it was made)", flush=True)
-        made.append(server)
+        running = server if edge is None else edge
+        made.append(running)
         if stopped:  # before `made` had it
-            server.request_stop()
-        server.serve()  # returns at once if asked to stop
+            running.request_stop()
+        try:
+            running.serve()  # returns at once if asked to stop
+        finally:
+            if temporary is not None:
+                temporary.cleanup()
         if stopped:
-            what = (f"the server stopped; every report it acknowledged is kept in "
-                    f"{_database(db)} (the same command serves it again); clients retry until "
-                    "it is back, for their --patience")
+            if ephemeral:
+                what = ("the ephemeral edge stopped and its store is removed: the root counts "
+                        "its clients as dropouts of the rounds it held")
+            else:
+                what = (f"the server stopped; every report it acknowledged is kept in "
+                        f"{_database(db)} (the same command serves it again); clients retry "
+                        "until it is back, for their --patience")
             if log_format == "json":  # the last line too is one JSON object
                 logging.getLogger("fedlang.deploy.server").warning("%s.", what)
                 raise typer.Exit(128 + stopped[0])
@@ -158,6 +199,27 @@ def _print_dashboard(url: str) -> None:
     print(f"dashboard: {url}{dashboard.PATH} (log in with the admin token)"
           + (f"; without charts: uPlot's files {lacking} are missing (python -m "
              "fedlang.deploy.assets)" if lacking else ""), flush=True)
+
+
+def _edge(server: Any, upstream: str, token: str, key: str | None) -> Any:
+    """The edge aggregator serving `server`'s clients for the root at `upstream`, after
+    its first contact; prints its population's token when made now."""
+    from fedlang.deploy import protocol
+    from fedlang.deploy.edge import edge as edge_lib
+    try:  # the root unreachable (ServerUnavailable is an OSError), the token refused, a bad key
+        pinned = None if key is None else base64.b64decode(key, validate=True)
+        edge = edge_lib.Edge(server, upstream, token, upstream_key=pinned)
+        name = edge.connect()
+    except (ValueError, OSError, RuntimeError, protocol.ProtocolError) as e:
+        server.close()
+        console.fail(f"Expected the root at {upstream} to take this edge, found: {e}")
+    print(f"edge aggregator of {edge.link.url}, population {name}", flush=True)
+    token_made = edge.create_population()
+    if token_made is not None:
+        print(f"population {name} token: {token_made}", flush=True)
+    else:
+        print(f"population {name} exists (its token was printed when it was made)", flush=True)
+    return edge
 
 
 def _stopped(signum: int, what: str) -> NoReturn:

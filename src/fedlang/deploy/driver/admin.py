@@ -106,6 +106,19 @@ class Admin:
         """Revokes a client's credential; returns its population."""
         return self._json("DELETE", f"/admin/clients/{client_id}")["population"]
 
+    def create_edge(self, name: str, population: str) -> str:
+        """An edge aggregator's token for `population` (`fedlang serve --upstream`)."""
+        body = {"name": name, "population": population}
+        return self._json("POST", "/admin/edges", json=body)["token"]
+
+    def revoke_edge(self, name: str) -> None:
+        """Revokes an edge: its token is refused from now on."""
+        self._json("DELETE", f"/admin/edges/{name}")
+
+    def edge_shares(self, round_id: int) -> list[dict[str, Any]]:
+        """The edges' shares of a round: seats, target, and what each forwarded."""
+        return self._json("GET", f"/admin/rounds/{round_id}/edges")
+
     def populations(self) -> list[dict[str, Any]]:
         return self._json("GET", "/admin/populations")
 

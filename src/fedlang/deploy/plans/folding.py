@@ -11,6 +11,7 @@ finite contribution.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -55,6 +56,8 @@ class Folder:
         self.secure = round_plan.secure
         self.plain = tuple(i for i in range(len(round_plan.aggregations)) if i not in self.secure)
         self.max_report_bytes = max_bytes(self.report_type)
+        self.partial_type = partial_type(self.aggregate_type)
+        self.max_partial_bytes = max_bytes(self.partial_type)
 
     def _accumulators(self, aggregate: bytes | None = None) -> list[Any]:
         accumulators = [a.make() for a in self.plan.aggregations]
@@ -127,6 +130,65 @@ class Folder:
             accumulators[i].merge((totals, np.int64(num_clients)))
         return self._serialize(accumulators)
 
+    def check_partial(self, body: bytes) -> Partial:
+        """Decodes and validates an edge aggregator's partial aggregate of this round
+        (`partial_type`: how many reports it folded, how many of its clients dropped,
+        and the aggregate of those reports, from a server that authenticated as an
+        edge).
+
+        Raises:
+          ReportError: if it is malformed, of another type, too large, not finite, or
+            counts negative reports or another number of reports than its aggregate's
+            counts hold.
+        """
+        value = structure.to_internal(read_report(body, self.partial_type), self.partial_type)
+        reports, dropped, aggregate = int(value[0]), int(value[1]), value[2]
+        for i, (p, t) in enumerate(zip(aggregate, self.aggregate_type.types)):
+            check_finite(p, t, f"aggregation {i} ({self.plan.aggregations[i].uri})")
+        if reports < 0 or dropped < 0:
+            raise ReportError(
+                f"Expected non-negative counts in a partial aggregate, found {reports} reports "
+                f"and {dropped} dropouts."
+            )
+        counted = _count(aggregate, self.aggregate_type)
+        if counted is not None and counted != reports:
+            raise ReportError(
+                f"Expected a partial aggregate of {reports} reports, found one whose counts "
+                f"say {counted}.", reason="not_one_client",
+            )
+        return Partial(reports, dropped, aggregate)
+
+    def encode_partial(self, aggregate: bytes, reports: int, dropped: int) -> bytes:
+        """An edge's upload of its aggregate of `reports` reports (`partial_type`)."""
+        value = decode(aggregate, self.aggregate_type, None, "an aggregate")
+        return serialization.serialize_value(
+            {"reports": np.int64(reports), "dropped": np.int64(dropped), "aggregate": value},
+            self.partial_type,
+        )
+
+    def merge(self, aggregate: bytes, partial: Any) -> bytes:
+        """The aggregate with another aggregate of the same round merged in (`partial`,
+        checked by `check_partial`: an edge's clients folded together). Accumulators
+        hold sums and counts, so merging two is what folding their reports one by one
+        into one aggregate gives.
+
+        Raises:
+          ReportError: `overflow`, if the merged aggregate would be infinite (the
+            aggregate stays as it was).
+        """
+        accumulators = self._accumulators(aggregate)
+        for i, (acc, p) in enumerate(zip(accumulators, partial)):
+            with np.errstate(all="ignore"):  # checked just below
+                acc.merge(p)
+            if not _within_range(acc, self.aggregate_type.types[i]):
+                raise ReportError(
+                    f"Expected a partial aggregate the aggregate of aggregation {i} "
+                    f"({self.plan.aggregations[i].uri}) stays finite with, found one that "
+                    "makes it overflow to infinity.",
+                    reason="overflow",
+                )
+        return self._serialize(accumulators)
+
     def results(self, aggregate: bytes) -> list[Any]:
         """Each aggregation's result (internal form) from the round's final aggregate."""
         return [acc.result() for acc in self._accumulators(aggregate)]
@@ -134,10 +196,33 @@ class Folder:
     def count(self, aggregate: bytes) -> int | None:
         """How many reports an aggregate holds, when its partials count them."""
         value = self._decode(aggregate, self.aggregate_type, None, "an aggregate")
-        for partial, t in zip(value, self.aggregate_type.types):
-            if isinstance(t, types.StructType) and "count" in t.names:
-                return int(partial[t.names.index("count")])
-        return None
+        return _count(value, self.aggregate_type)
+
+
+@dataclasses.dataclass(frozen=True)
+class Partial:
+    """An edge aggregator's checked upload for a round (`Folder.check_partial`): the
+    aggregate of `reports` reports of its clients (internal form of the round's
+    `aggregate_type`), and how many of its clients dropped out."""
+
+    reports: int
+    dropped: int
+    value: Any
+
+
+def partial_type(aggregate_type: types.StructType) -> types.StructType:
+    """The type of an edge's partial upload for a round whose aggregate is of
+    `aggregate_type`: `<reports=int64,dropped=int64,aggregate=...>`."""
+    count = types.TensorType(np.int64, [])
+    return types.StructType([("reports", count), ("dropped", count), ("aggregate", aggregate_type)])
+
+
+def _count(value: Any, t: types.StructType) -> int | None:
+    """How many reports an aggregate (internal form) holds, when its partials count them."""
+    for partial, pt in zip(value, t.types):
+        if isinstance(pt, types.StructType) and "count" in pt.names:
+            return int(partial[pt.names.index("count")])
+    return None
 
 
 def _within_range(acc: Any, t: types.Type) -> bool:

@@ -24,6 +24,7 @@ from fedlang.deploy import protocol
 from fedlang.deploy.server import (
     bulk,
     common,
+    edges,
     guard,
     ops,
     rounds,
@@ -35,7 +36,7 @@ from fedlang.deploy.server import (
 )
 from fedlang.deploy.server import state as state_lib
 
-ROUTERS = (common.router, rounds.router, secure.router, sessions.router, bulk.router,
+ROUTERS = (common.router, rounds.router, secure.router, sessions.router, bulk.router, edges.router,
            ops.router, ops.metrics_router)
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorOut, "description": e.__doc__ or ""}

@@ -22,13 +22,16 @@ in the task: `Uploads.count_refusal`).
 
 A mode is an `Uploads`: how to find its tasks, its limit, its admission, its check and
 how it accepts (`rounds.ReportUploads`, `secure.AnswerUploads`,
-`sessions.ReportUploads`). A new mode writes one; a check every upload must pass (a
-bound the plan declares, a limit) is added here, once, not in the modes.
+`sessions.ReportUploads`, and an edge aggregator's partial aggregate of a round,
+`edges.PartialUploads`, whose uploader is an edge authenticated by its token: `take`'s
+`authenticate`). A new mode writes one; a check every upload must pass (a bound the
+plan declares, a limit) is added here, once, not in the modes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 import fastapi
@@ -41,6 +44,10 @@ from fedlang.deploy.server import auth as auth_lib
 from fedlang.deploy.server import state as state_lib
 
 T = TypeVar("T")
+# (server, the request's bearer) -> (uploader, population); raises Unauthorized.
+Authenticate = Callable[
+    [state_lib.ServerState, security.HTTPAuthorizationCredentials | None], tuple[str, str]
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +120,18 @@ async def take(
     uploads: Uploads[T],
     task_id: int,
     slot: int = 0,
+    authenticate: Authenticate | None = None,
 ) -> bool:
     """Takes one upload to `slot` of task `task_id` (see the module docstring); returns
-    False for a replay of an accepted upload (nothing changed).
+    False for a replay of an accepted upload (nothing changed). `authenticate` says who
+    uploads (`Upload.client`, `Upload.population`): a client by its credential, by
+    default (an edge's partial: the edge by its token).
 
     Raises:
       ProtocolError: the refusal (counted, from reading the body on).
     """
-    client_id, population = await concurrency.run_in_threadpool(auth_lib.client, server, auth)
+    who = authenticate or auth_lib.client
+    client_id, population = await concurrency.run_in_threadpool(who, server, auth)
     target, limit = await concurrency.run_in_threadpool(_find, uploads, task_id, slot)
     try:
         body = await read_limited(request, limit)

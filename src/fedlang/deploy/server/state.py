@@ -10,6 +10,7 @@ from fedlang.core import signing
 from fedlang.deploy.plans import cache
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.deploy.server import telemetry as telemetry_lib
+from fedlang.deploy.store import edges as edges_lib
 from fedlang.deploy.store import rounds as rounds_lib
 from fedlang.deploy.store import secure as secure_lib
 from fedlang.deploy.store import sessions as sessions_lib
@@ -49,6 +50,7 @@ class ServerState:
         self.secure = secure_lib.SecureRounds(self.rounds, self.verified.folder)
         self.sessions = sessions_lib.Sessions(store)  # buffered (FedBuff) sessions
         self.telemetry = telemetry_lib.Telemetry(store)  # /metrics, rates, request logs
+        self.edges = edges_lib.Edges(self.rounds)  # edge aggregators' shares of rounds
 
     def close_due(self) -> None:
         """Closes the rounds, and the secure rounds' stages, whose time is up."""

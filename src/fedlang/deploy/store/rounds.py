@@ -153,6 +153,7 @@ def end_round(
         "UPDATE assignments SET state = ?, updated = ? WHERE round = ? AND state = ?",
         (admission.Assignment.DROPPED, now, round_id, ASSIGNED),
     )
+    dropped += drop_edge_shares(tx, round_id)
     tx.run(
         "UPDATE rounds SET state = ?, closed = ?, dropped = dropped + ?, failure = ?"
         " WHERE id = ?",
@@ -160,6 +161,21 @@ def end_round(
     )
     tx.count("dropouts", dropped)
     tx.count(f"rounds:{state}")
+
+
+def drop_edge_shares(tx: sql.Tx, round_id: int) -> int:
+    """Marks dropped the shares of a round held by edges that had not forwarded their
+    partial aggregate when it ended (`edges.py`); returns their seats, which count as
+    dropouts (an edge that is gone took its clients with it)."""
+    seats = tx.one(
+        "SELECT COALESCE(SUM(capacity), 0) FROM edge_shares WHERE round = ? AND state = ?",
+        (round_id, ASSIGNED),
+    )[0]
+    tx.run(
+        "UPDATE edge_shares SET state = ? WHERE round = ? AND state = ?",
+        (admission.Assignment.DROPPED, round_id, ASSIGNED),
+    )
+    return int(seats)
 
 
 def fold_report(
@@ -319,6 +335,12 @@ class Rounds:
             if r.state == OPEN:
                 end_round(tx, r.id, FAILED, failure, self.store.clock())
             return self.round_in(tx, round_id)
+
+
+    def close_in(self, tx: sql.Tx, r: Round, now: float) -> None:
+        """Closes (or fails) open round `r`, read locked in `tx`, whose target is met or
+        whose deadline passed (an edge's partial met it: `edges.py`)."""
+        self._close(tx, r, now)
 
     def close_due(self) -> int:
         """Closes or fails the open plain rounds whose deadline passed; returns how many.

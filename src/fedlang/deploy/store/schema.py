@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from fedlang.deploy.store import sql
 
-VERSION = 6
+VERSION = 8
 
 TABLES = [
     # What every mode shares (store.py).
@@ -91,6 +91,19 @@ TABLES = [
     " (population, released)",
     "CREATE TABLE IF NOT EXISTS task_refusals (task TEXT NOT NULL, reason TEXT NOT NULL,"
     " count {int} NOT NULL, PRIMARY KEY (task, reason))",
+    # Edge aggregators, at the root (edges.py): each edge's credential (a hash; revoked:
+    # when), and its share of each round it joined: the seats it holds, then the digest
+    # and counts of the partial aggregate it forwarded.
+    "CREATE TABLE IF NOT EXISTS edges (name TEXT PRIMARY KEY, population TEXT NOT NULL,"
+    " token_hash TEXT NOT NULL UNIQUE, created {real} NOT NULL, revoked {real})",
+    "CREATE TABLE IF NOT EXISTS edge_shares (round {int} NOT NULL, edge TEXT NOT NULL,"
+    " state TEXT NOT NULL, target {int} NOT NULL, capacity {int} NOT NULL,"
+    " joined {real} NOT NULL, digest TEXT, size {int}, reports {int} NOT NULL DEFAULT 0,"
+    " dropped {int} NOT NULL DEFAULT 0, accepted {real}, PRIMARY KEY (round, edge))",
+    # At an edge (upstream.py): which local round mirrors which round of the root, and
+    # whether its partial was forwarded (and what the root answered).
+    "CREATE TABLE IF NOT EXISTS upstream_rounds (upstream {int} PRIMARY KEY,"
+    " round {int} NOT NULL UNIQUE, forwarded {real}, outcome TEXT NOT NULL DEFAULT '')",
     "CREATE TABLE IF NOT EXISTS buffered_reports (session {int} NOT NULL, seq {int} NOT NULL,"
     " client TEXT NOT NULL, version {int} NOT NULL, staleness {int} NOT NULL,"
     " digest TEXT NOT NULL, size {int} NOT NULL, data {blob} NOT NULL, accepted {real} NOT NULL,"
@@ -119,6 +132,11 @@ MIGRATIONS: dict[int, list[str]] = {
     4: [],
     # 5 -> 6: released metrics and refusals by task (`released_metrics`, `task_refusals`).
     5: [],
+    # 6 -> 7: (scale-fold's tables, merged next)
+    6: [],
+    # 7 -> 8: edge aggregators (`edges`, `edge_shares`, `upstream_rounds`, created as any
+    # missing table).
+    7: [],
 }
 
 

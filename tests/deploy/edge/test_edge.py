@@ -1,0 +1,237 @@
+"""Edge aggregators end to end: a root, two edges and their clients; the round's result
+equals one server's and the simulation runtime's."""
+
+import re
+import threading
+import time
+
+import httpx
+import jax
+import numpy as np
+import optax
+import pytest
+
+import fedlang as fl
+from fedlang import deploy
+from fedlang.core import context
+from fedlang.deploy.edge import edge as edge_lib
+from fedlang.learning import algorithms
+
+from ..conftest import Gated, ServerProcess, batch_sum, wait_for
+from ..driver.test_context import _client_batches, _model_fn
+
+CLIENTS = [_client_batches(i) for i in range(6)]
+
+
+def make_edge(tmp_path, name, root_url, token, **options):
+    server = deploy.Server(db=tmp_path / f"{name}.db", port=0, key=tmp_path / f"{name}.key",
+                           pace=deploy.Pace(min_retry=0.05, max_retry=0.2), tick=0.05)
+    return edge_lib.Edge(server, root_url, token, poll=0.2, **options)
+
+
+def run_round(driver_url, admin_token, client_urls, client_threads, **options):
+    """One FedAvg round of `CLIENTS` (client i at `client_urls[i]`: (url, token))."""
+    process = algorithms.build_weighted_fed_avg(_model_fn, optax.sgd(0.5))
+    errors = [client_threads(deploy.Client(url, "pop", token, {"train": batches}, max_tasks=1,
+                                           patience=60, backoff=(0.05, 0.5)))
+              for (url, token), batches in zip(client_urls, CLIENTS)]
+    with deploy.deployment_context(driver_url, admin_token, "pop", target=len(CLIENTS),
+                                   deadline=60, patience=60, **options) as ctx:
+        state, _ = process.next(process.initialize(), deploy.client_data("train"))
+    assert not any(errors), errors
+    return process.get_model_weights(state), ctx.rounds
+
+
+def assert_same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_a_round_through_two_edges_equals_one_server_and_the_simulation(
+    tmp_path, server_factory, client_threads
+):
+    process = algorithms.build_weighted_fed_avg(_model_fn, optax.sgd(0.5))
+    with fl.runtime.simulation_context():
+        simulated, _ = process.next(process.initialize(), CLIENTS)
+    single = server_factory(tmp_path / "single.db")
+    with deploy.Admin(single.url, single.admin_token) as admin:
+        token = admin.create_population("pop")
+    one_server, _ = run_round(single.url, single.admin_token, [(single.url, token)] * 6,
+                              client_threads)
+
+    root = server_factory(tmp_path / "root.db")
+    with deploy.Admin(root.url, root.admin_token) as admin:
+        admin.create_population("pop")
+        edge_tokens = [admin.create_edge(name, "pop") for name in ("east", "west")]
+    edges = [make_edge(tmp_path, name, root.url, t) for name, t in zip(("east", "west"), edge_tokens)]
+    try:
+        urls = []
+        for edge in edges:
+            assert edge.connect() == "pop"
+            urls += [(edge.server.url, edge.create_population())] * 3
+            edge.start()
+        weights, rounds = run_round(root.url, root.admin_token, urls, client_threads)
+        assert rounds[0].reports == 6
+        with deploy.Admin(root.url, root.admin_token) as admin:
+            status = admin.status()
+            shares = admin.edge_shares(status["rounds"][0]["id"])
+        assert [(s["edge"], s["state"], s["reports"]) for s in shares] == [
+            ("east", "reported", 3), ("west", "reported", 3)]
+        assert status["reports"]["accepted"] == 6
+        for edge in edges:  # each edge folded its own three clients
+            (r,) = edge.state.rounds.rounds()
+            assert (r.state, r.reports) == ("closed", 3)
+            assert [m.outcome for m in edge.upstream.mirrors()] == ["accepted"]
+        with deploy.Admin(root.url, root.admin_token) as admin:
+            admin.finish_population("pop")  # the edges' clients are told so too
+        for edge in edges:
+            wait_for(lambda e=edge: e.state.store.populations()[0]["finished"], "finished",
+                     timeout=30)
+    finally:
+        for edge in edges:
+            edge.stop()
+    assert_same(weights, one_server)
+    assert_same(weights, process.get_model_weights(simulated))
+
+
+def _status(url):
+    with httpx.Client(base_url=url, timeout=10) as h:
+        try:
+            return h.get("/v1/status").json()
+        except (httpx.TransportError, ValueError):
+            return None
+
+
+def _local_round(url):
+    status = _status(url)
+    return status["rounds"][0] if status and status["rounds"] else None
+
+
+def _edge_process(tmp_path, name, root, token, *extra):
+    (tmp_path / name).mkdir()
+    edge = ServerProcess(tmp_path / name / "edge.db", tmp_path / name,
+                         extra_args=["--upstream", root.url, "--upstream-token", token, *extra])
+    edge.start()
+    return edge
+
+
+def _population_token(edge):
+    return re.findall(r"population pop token: (\S+)", edge.log.read_text())[-1]
+
+
+def _drive(url, admin_token, result, **options):
+    ctx = deploy.deployment_context(url, admin_token, "pop", patience=120, backoff=(0.05, 0.5),
+                                    **options)
+    try:
+        with context.with_context(ctx):
+            result["value"] = batch_sum(deploy.client_data("train"))
+        result["rounds"] = ctx.rounds
+    except Exception as e:
+        result["error"] = e
+    finally:
+        ctx.runner.close()
+
+
+@pytest.mark.slow
+def test_an_edge_killed_mid_round_restarts_and_forwards_every_report_it_acknowledged(
+    db_url, tmp_path, client_threads
+):
+    root = ServerProcess(db_url, tmp_path).start()  # the root on SQLite, then PostgreSQL
+    edges = []
+    gates = [Gated(np.full((2, 3), i + 1)) for i in range(6)]
+    driver = None
+    try:
+        with deploy.Admin(root.url, root.admin_token) as admin:
+            admin.create_population("pop")
+            edges = [_edge_process(tmp_path, name, root, admin.create_edge(name, "pop"))
+                     for name in ("east", "west")]
+        east, west = edges
+        errors = [client_threads(deploy.Client(
+            (east if i < 3 else west).url, "pop", _population_token(east if i < 3 else west),
+            {"train": g}, max_tasks=1, patience=120, backoff=(0.05, 0.5)))
+            for i, g in enumerate(gates)]
+        result = {}
+        driver = threading.Thread(target=_drive, args=(root.url, root.admin_token, result),
+                                  kwargs={"target": 6, "deadline": 120})
+        driver.start()
+        wait_for(lambda: (r := _local_round(east.url)) and r["assigned"] == 3, "east's clients")
+        for g in gates[:2]:  # two of east's clients report, acknowledged by east only
+            g.release.set()
+        wait_for(lambda: _local_round(east.url)["reports"] == 2, "two reports at east")
+        east.kill()
+        for g in gates[2:]:  # the others finish while east is down; east's retry
+            g.release.set()
+        time.sleep(0.5)
+        east.start()
+        driver.join(timeout=180)
+        assert not driver.is_alive() and "error" not in result, result
+        want = sum(np.full((2, 3), i + 1, np.float32).sum(axis=0) for i in range(6))
+        np.testing.assert_allclose(result["value"], want)
+        assert result["rounds"][0].reports == 6
+        local = _local_round(east.url)
+        assert (local["state"], local["reports"]) == ("closed", 3)  # each report once
+        assert _status(root.url)["reports"]["accepted"] == 6
+        assert not any(errors)
+    finally:
+        for g in gates:
+            g.release.set()
+        if driver is not None:
+            driver.join(timeout=60)
+        for p in [*edges, root]:
+            p.kill()
+
+
+@pytest.mark.slow
+def test_a_killed_ephemeral_edge_s_clients_are_dropouts_and_the_round_closes(
+    tmp_path, client_threads
+):
+    root = ServerProcess(tmp_path / "root.db", tmp_path).start()
+    edges = []
+    gates = [Gated(np.full((2, 3), i + 1)) for i in range(6)]
+    driver = None
+    try:
+        with deploy.Admin(root.url, root.admin_token) as admin:
+            admin.create_population("pop")
+            east = _edge_process(tmp_path, "east", root, admin.create_edge("east", "pop"))
+            west = _edge_process(tmp_path, "west", root, admin.create_edge("west", "pop"),
+                                 "--ephemeral")
+            edges = [east, west]
+        errors = [client_threads(deploy.Client(
+            (east if i < 3 else west).url, "pop", _population_token(east if i < 3 else west),
+            {"train": g}, max_tasks=1, patience=5, backoff=(0.05, 0.5)))
+            for i, g in enumerate(gates)]
+        result = {}
+        driver = threading.Thread(target=_drive, args=(root.url, root.admin_token, result),
+                                  kwargs={"target": 6, "quorum": 3, "deadline": 20})
+        driver.start()
+        wait_for(lambda: (r := _local_round(west.url)) and r["assigned"] == 3, "west's clients")
+        west.kill()  # with its store: nothing of its clients reaches the root
+        for g in gates[:3]:
+            g.release.set()
+        driver.join(timeout=120)
+        assert not driver.is_alive() and "error" not in result, result
+        want = sum(np.full((2, 3), i + 1, np.float32).sum(axis=0) for i in range(3))
+        np.testing.assert_allclose(result["value"], want)
+        (r,) = _status(root.url)["rounds"]
+        assert (r["state"], r["reports"], r["dropped"]) == ("closed", 3, 3)
+        assert not any(errors[:3])
+    finally:
+        for g in gates:
+            g.release.set()
+        if driver is not None:
+            driver.join(timeout=60)
+        for p in [*edges, root]:
+            p.kill()
+
+
+def test_an_edge_refuses_a_root_whose_key_is_not_the_one_it_pinned(tmp_path, server_factory):
+    root = server_factory(tmp_path / "root.db")
+    with deploy.Admin(root.url, root.admin_token) as admin:
+        admin.create_population("pop")
+        token = admin.create_edge("east", "pop")
+    edge = make_edge(tmp_path, "east", root.url, token, upstream_key=bytes(32))
+    try:
+        with pytest.raises(edge_lib.KeyMismatch, match=r"Expected the root .* to sign with the key"):
+            edge.connect()
+    finally:
+        edge.stop()

@@ -1,0 +1,190 @@
+"""Edge aggregators at the root's store: credentials, shares of rounds, partial
+aggregates merged counting their reports, on SQLite and PostgreSQL."""
+
+import numpy as np
+import pytest
+
+from fedlang.deploy import protocol
+from fedlang.deploy.plans import folding
+from fedlang.deploy.store import edges as edges_lib
+from fedlang.deploy.store import rounds as rounds_lib
+from fedlang.deploy.store import schema
+
+from .conftest import enroll
+from .test_rounds import accept, open_round, report
+
+
+@pytest.fixture
+def rounds(store):
+    return rounds_lib.Rounds(store)
+
+
+@pytest.fixture
+def edges(rounds):
+    return edges_lib.Edges(rounds)
+
+
+@pytest.fixture
+def folder(sum_round):
+    return folding.Folder(sum_round[0])
+
+
+def partial(folder, sum_round, reports, dropped=0):
+    """An edge's upload: the reports of `reports` (rows lists) folded together."""
+    aggregate = folder.empty()
+    for rows in reports:
+        aggregate = folder.fold(aggregate, folder.check(report(sum_round, *rows)))
+    return folder.encode_partial(aggregate, len(reports), dropped)
+
+
+def forward(edges, folder, round_id, edge, body):
+    checked = folder.check_partial(body)
+    return edges.accept(round_id, edge, "pop", protocol.blob_hash(body), len(body),
+                        checked.reports, checked.dropped,
+                        lambda agg: folder.merge(agg, checked.value))
+
+
+def test_an_edge_token_is_kept_hashed_and_can_be_revoked(edges, store, token):
+    t = edges.create("east", "pop")
+    assert edges.authenticate(t) == ("east", "pop")
+    with store.transaction() as tx:
+        assert tx.one("SELECT COUNT(*) FROM edges WHERE token_hash = ?", (t,))[0] == 0
+    with pytest.raises(protocol.Conflict):
+        edges.create("east", "pop")
+    with pytest.raises(protocol.NotFound):
+        edges.create("west", "nope")
+    edges.revoke("east")
+    with pytest.raises(protocol.Unauthorized, match="revoked"):
+        edges.authenticate(t)
+    with pytest.raises(protocol.Unauthorized, match="unknown"):
+        edges.authenticate("not-a-token")
+    assert store.counters()["refused:unauthorized"] == 2
+
+
+def test_shares_split_the_round_and_never_exceed_its_capacity(edges, rounds, store, folder, token):
+    edges.create("east", "pop")
+    edges.create("west", "pop")
+    r = open_round(rounds, folder, target=5, over_selection=0.2)  # capacity 6
+    (client,) = enroll(store, 1, token=token)
+    assert isinstance(rounds.checkin(client, "pop"), rounds_lib.Task)  # one seat taken
+    _, east = edges.join("east", "pop", r.id)
+    assert (east.target, east.capacity) == (3, 3)
+    assert edges.join("east", "pop", r.id)[1] == east  # joining again: the same share
+    _, west = edges.join("west", "pop", r.id)
+    assert (west.target, west.capacity) == (2, 2)  # what was left
+    assert rounds.round(r.id).assigned == 6
+    edges.create("north", "pop")
+    with pytest.raises(protocol.Conflict, match="all 6 taken"):
+        edges.join("north", "pop", r.id)
+    store.create_population("other")
+    edges.create("south", "other")
+    with pytest.raises(protocol.NotFound):  # another population's round does not exist
+        edges.join("south", "other", r.id)
+
+
+def test_a_partial_is_merged_once_counting_its_reports(edges, rounds, store, folder, token,
+                                                       sum_round):
+    edges.create("east", "pop")
+    edges.create("west", "pop")
+    r = open_round(rounds, folder, target=4)
+    edges.join("east", "pop", r.id)
+    edges.join("west", "pop", r.id)
+    body = partial(folder, sum_round, [[[1, 2, 3]], [[4, 5, 6]]], dropped=0)
+    assert forward(edges, folder, r.id, "east", body) is True
+    assert forward(edges, folder, r.id, "east", body) is False  # a replay: nothing changes
+    assert rounds.round(r.id).reports == 2
+    other = partial(folder, sum_round, [[[1, 1, 1]]])
+    with pytest.raises(protocol.Conflict):
+        forward(edges, folder, r.id, "east", other)
+    assert edges.precheck(r.id, "east", "pop", protocol.blob_hash(body)) is True
+    with pytest.raises(protocol.Forbidden):  # an edge that did not join
+        edges.create("north", "pop")
+        forward(edges, folder, r.id, "north", other)
+    forward(edges, folder, r.id, "west", partial(folder, sum_round, [[[7, 8, 9]], [[1, 0, 0]]]))
+    done, aggregate = rounds.aggregate(r.id)
+    assert (done.state, done.reports) == ("closed", 4)  # closed at its target
+    # the same aggregate as the four reports folded one by one at one server
+    single = open_round(rounds, folder, target=4)
+    clients = enroll(store, 4, token=token)
+    for c in clients:
+        rounds.checkin(c, "pop")
+    for c, rows in zip(clients, [[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 0, 0]]):
+        accept(rounds, folder, single.id, c, report(sum_round, rows))
+    np.testing.assert_array_equal(folder.results(aggregate)[0],
+                                  folder.results(rounds.aggregate(single.id)[1])[0])
+    assert [(s.edge, s.state, s.reports) for s in edges.shares(r.id)] == [
+        ("east", "reported", 2), ("west", "reported", 2)]
+
+
+def test_an_edge_gone_at_the_deadline_counts_its_seats_as_dropouts(edges, rounds, store, folder,
+                                                                 token, sum_round, clock):
+    edges.create("east", "pop")
+    edges.create("west", "pop")
+    r = open_round(rounds, folder, target=4, quorum=1, deadline=60)
+    edges.join("east", "pop", r.id)
+    edges.join("west", "pop", r.id)
+    forward(edges, folder, r.id, "east", partial(folder, sum_round, [[[1, 2, 3]]], dropped=1))
+    with pytest.raises(protocol.BadRequest, match="at most 2"):  # more than its seats
+        forward(edges, folder, r.id, "west", partial(folder, sum_round, [[[1, 2, 3]]], dropped=2))
+    clock.now += 61
+    rounds.close_due()
+    done = rounds.round(r.id)
+    # east's dropout, and west's two seats: it never forwarded
+    assert (done.state, done.reports, done.dropped) == ("closed", 1, 3)
+    assert [s.state for s in edges.shares(r.id)] == ["reported", "dropped"]
+    with pytest.raises(protocol.Gone):  # too late now
+        forward(edges, folder, r.id, "west", partial(folder, sum_round, [[[1, 2, 3]]]))
+
+
+def test_partials_that_do_not_add_up_are_refused(folder, sum_round):
+    body = partial(folder, sum_round, [[[1, 2, 3]]])
+    lying = folder.encode_partial(folding.Folder(sum_round[0]).empty(), 1, 0)
+    assert folder.check_partial(body).reports == 1
+    with pytest.raises(folding.ReportError):
+        folder.check_partial(b"junk")
+    assert folder.check_partial(lying).reports == 1  # a sum has no count to check against
+    with pytest.raises(folding.ReportError, match="non-negative"):
+        folder.check_partial(folder.encode_partial(folder.empty(), -1, 0))
+
+
+def test_a_version_5_database_gains_the_edge_tables(store):
+    with store.transaction(write=True) as tx:
+        for table in ("edges", "edge_shares", "upstream_rounds"):
+            tx.run(f"DROP TABLE {table}")
+        tx.run("UPDATE meta SET value = ? WHERE key = 'schema'", (b"5",))
+    store.close()
+    reopened = type(store)(store.dialect.path if hasattr(store.dialect, "path") else store.dialect.url)
+    try:
+        assert reopened.get_meta("schema") == str(schema.VERSION).encode()
+        assert edges_lib.Edges(rounds_lib.Rounds(reopened)).edges() == []
+    finally:
+        reopened.close()
+
+
+def test_concurrent_joins_and_checkins_never_exceed_the_round_s_capacity(edges, rounds, store,
+                                                                         folder, token):
+    import threading
+
+    for name in ("east", "west"):
+        edges.create(name, "pop")
+    r = open_round(rounds, folder, target=8)  # capacity 8: 4 seats per edge, or clients
+    clients = enroll(store, 8, token=token)
+    results, start = [], threading.Barrier(10)
+
+    def act(fn, *args):
+        start.wait()
+        try:
+            results.append(fn(*args))
+        except protocol.Conflict as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=act, args=(edges.join, name, "pop", r.id))
+               for name in ("east", "west")]
+    threads += [threading.Thread(target=act, args=(rounds.checkin, c, "pop")) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    seats = sum(s.capacity for s in edges.shares(r.id))
+    tasks = sum(isinstance(x, rounds_lib.Task) for x in results)
+    assert seats + tasks == rounds.round(r.id).assigned == 8
