@@ -29,6 +29,7 @@ from fedlang.core import processes, serialization
 from fedlang.deploy import protocol
 from fedlang.deploy.client import connection as connection_lib
 from fedlang.deploy.driver import admin as admin_lib
+from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import buffered as buffered_plan
 
 
@@ -55,6 +56,9 @@ class BufferedDriver:
       session: resume this session (default: the one made for `request_id`, or a new one).
       request_id: names the session, so a restarted driver resumes it.
       patience: seconds to keep retrying while the server is unreachable.
+      bounds: what a report may hold, declared in the plan and checked by the server
+        (`plans.bounds.ReportBounds`; default: the defaults for the learning
+        algorithms; None: no bounds).
       connection: more options of `connection.Connection`.
     """
 
@@ -69,6 +73,7 @@ class BufferedDriver:
         session: int | None = None,
         request_id: str | None = None,
         patience: float = 300.0,
+        bounds: bounds_lib.ReportBounds | None = bounds_lib.DEFAULT,
         **connection: Any,
     ):
         self.process = process
@@ -76,7 +81,7 @@ class BufferedDriver:
         self.admin = admin_lib.Admin(self.connection, admin_token)
         self.token = admin_token
         self.population = population
-        self.plan = buffered_plan.BufferedPlan.build(process.train, data_name)
+        self.plan = buffered_plan.BufferedPlan.build(process.train, data_name, bounds)
         # The server enforces the process's bounds: it refuses stale reports (the client
         # is told) and holds at most K unapplied reports, so every report it accepts is
         # one the process folds into the current buffer.
