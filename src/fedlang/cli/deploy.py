@@ -59,6 +59,16 @@ def serve(
     max_connections: Annotated[int, typer.Option(
         metavar="N", help="Connections and requests at once (more get 503; clients retry).")]
     = 1000,
+    client_rate: Annotated[float, typer.Option(
+        metavar="R", help="Requests per second each enrolled client may make (more get 429 with Retry-After; 0: no limit).")]
+    = 50.0,
+    client_burst: Annotated[int, typer.Option(
+        metavar="B", help="Requests one client may make at once, above --client-rate.")] = 200,
+    enroll_rate: Annotated[float, typer.Option(
+        metavar="R", help="Failed enrollments per second one address may make (then 429; 0: no limit).")]
+    = 1.0,
+    enroll_burst: Annotated[int, typer.Option(
+        metavar="B", help="Failed enrollments one address may make at once.")] = 20,
 ) -> None:
     """Serve a task store: clients check in for tasks; the driver opens rounds.
 
@@ -87,7 +97,8 @@ def serve(
                 db, host, port, admin_token, key_file, pace=store_lib.Pace(min_retry=min_retry),
                 credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
                 browser=browser, demo_page=demo_page, limits=server_lib.Limits(
-                    header_timeout, body_timeout, keep_alive, max_connections),
+                    header_timeout, body_timeout, keep_alive, max_connections,
+                    client_rate, client_burst, enroll_rate, enroll_burst),
             )
         except (OSError, ValueError, ImportError, server_lib.DatabaseInUse) as e:
             console.fail(e)
