@@ -5,19 +5,25 @@ count of 10^6, update values of 1.7e308 and of 1e30) with 400 `out_of_bounds` na
 the leaf, count them, fold nothing of them, and accept the honest reports of the same
 clients."""
 
+import contextlib
+
 import httpx
 import numpy as np
 import optax
 import pytest
 
 from fedlang import deploy
-from fedlang.core import serialization, structure
+from fedlang.core import context, serialization, structure
+from fedlang.deploy import protocol
 from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import buffered as buffered_plan
 from fedlang.deploy.plans import execution, folding
 from fedlang.learning import algorithms
 
+from .. import conftest as deploy_conftest
 from ..conftest import capture
+from . import conftest as server_conftest
+from . import test_intake
 from .conftest import bearer
 
 API = "/v1"
@@ -186,3 +192,35 @@ def test_bounds_are_checked_and_travel_in_the_signed_plan(fedavg_round):
         bounds_lib.ReportBounds(ranges={"[9].nope": (0, 1)}).for_buffered(plan.report_type)
     with pytest.raises(ValueError, match="clip to be a finite number"):
         bounds_lib.ReportBounds(clip=-1)
+
+
+class _BoundedSecure(test_intake.Secure):
+    """test_intake's secure round, its plan declaring a range on the plain `total`."""
+
+    def open_task(self):
+        runner = deploy_conftest._Capture()
+        bounds = deploy.ReportBounds(ranges={"[1]": (0.0, 10.0)})
+        with contextlib.suppress(deploy_conftest._Captured), \
+                context.with_context(deploy.DeploymentContext(runner, bounds=bounds)):
+            test_intake.secure_count_and_total(deploy.client_data("d"))
+        self.plan, self.broadcast = runner.plan, runner.broadcast
+        assert self.plan.secure == (0,) and self.plan.report_paths == ["[1]"]
+        self.task = self.ok(self.http.post(f"{API}/admin/rounds", headers=self.admin, json={
+            "population": "pop", "plan": self.blob(self.plan.to_bytes()),
+            "broadcast": self.blob(self.broadcast), "target": 3, "deadline": 600.0,
+            "stage_timeout": 100.0,
+        }))["id"]
+
+
+def test_a_secure_rounds_plain_report_is_bounded_too(db_url, server_factory):
+    # The masked input is bounded by its modulus; the plain report with it by the plan.
+    clock = server_conftest.Clock()
+    h = _BoundedSecure(server_factory(db=db_url, clock=clock), clock)
+    try:
+        far = protocol.pack_masked_input(h.parts("a", 100.0).report, h.masked["a"])
+        test_intake.refused(h, lambda: h.put("a", far), 400, "out_of_bounds")
+        assert "[1] within [0, 10]" in h.put("a", far).json()["detail"]
+        assert h.put("a", h.good("a")).status_code == 200
+        assert h.accepted() == 1
+    finally:
+        h.http.close()
