@@ -131,7 +131,10 @@ def update_round(n: int) -> tuple[Any, bytes, bytes]:
         return fl.federated_sum(fl.federated_map(local, data))
 
     runner = Capture()
-    with contextlib.suppress(StopIteration), context.with_context(deploy.DeploymentContext(runner)):
+    # a norm bound on the update, so each report also passes the bounds check (issue 23)
+    bounds = deploy.ReportBounds(norms={("[0]",): 1e9})
+    with contextlib.suppress(StopIteration), \
+            context.with_context(deploy.DeploymentContext(runner, bounds=bounds)):
         total(deploy.client_data("train"))
     rng = np.random.default_rng(0)
     report = execution.run_plan(runner.plan, runner.broadcast,

@@ -86,6 +86,16 @@ def serve(
     ephemeral: Annotated[bool, typer.Option(
         help="An edge whose store is temporary (removed when it stops): a killed edge's clients count as dropouts at the root.")]
     = False,
+    client_rate: Annotated[float, typer.Option(
+        metavar="R", help="Requests per second each enrolled client may make (more get 429 with Retry-After; 0: no limit).")]
+    = 50.0,
+    client_burst: Annotated[int, typer.Option(
+        metavar="B", help="Requests one client may make at once, above --client-rate.")] = 200,
+    enroll_rate: Annotated[float, typer.Option(
+        metavar="R", help="Failed enrollments per second one address may make (then 429; 0: no limit).")]
+    = 1.0,
+    enroll_burst: Annotated[int, typer.Option(
+        metavar="B", help="Failed enrollments one address may make at once.")] = 20,
 ) -> None:
     """Serve a task store: clients check in for tasks; the driver opens rounds.
 
@@ -131,7 +141,8 @@ def serve(
                 pace=store_lib.Pace(checkins_per_second, min_retry, max_retry),
                 credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
                 browser=browser, demo_page=demo_page, limits=server_lib.Limits(
-                    header_timeout, body_timeout, keep_alive, max_connections),
+                    header_timeout, body_timeout, keep_alive, max_connections,
+                    client_rate, client_burst, enroll_rate, enroll_burst),
                 # the defaults keep uvicorn's own logging, as before --log-format
                 log_format=None if (log_format, log_level) == ("text", "warning") else log_format,
                 log_level=log_level.lower(), metrics_port=metrics_port,

@@ -178,6 +178,19 @@ class BufferFull(ProtocolError):
     reason = "buffer_full"
 
 
+class RateLimited(ProtocolError):
+    """Too many requests from one client (or failed enrollments from one address):
+    retry after `retry_after` seconds (the answer's `Retry-After` header; clients wait
+    that long by themselves)."""
+
+    status = 429
+    reason = "rate_limited"
+
+    def __init__(self, message: str, reason: str | None = None, retry_after: float = 1.0):
+        super().__init__(message, reason)
+        self.retry_after = retry_after
+
+
 # The refusals any route may give, by status (the OpenAPI schema lists them on every
 # route). `BufferFull` is not one: only a buffered upload gives it, and clients retry it.
 ERRORS: dict[int, type[ProtocolError]] = {

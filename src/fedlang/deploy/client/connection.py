@@ -15,7 +15,7 @@ import httpx
 
 from fedlang.deploy import protocol
 
-_RETRY_STATUS = {408, 502, 503, 504}
+_RETRY_STATUS = {408, 429, 502, 503, 504}
 
 
 class ServerUnavailable(ConnectionError):
@@ -58,7 +58,8 @@ class Connection:
       verify: TLS verification (True, False, or a CA bundle path).
       backoff: (first, largest) wait between retries; each wait is drawn uniformly up to
         min(largest, first * 2^attempt) ("full jitter"), so restarting servers are not
-        met by a stampede.
+        met by a stampede. A 429 (rate limited) with `Retry-After` is retried after the
+        seconds it says (and a quarter of them at most, at random).
     """
 
     def __init__(
@@ -114,6 +115,14 @@ class Connection:
                 if resp.status_code not in _RETRY_STATUS:
                     raise _error(resp)
                 problem = f"HTTP {resp.status_code}"
+                told = _retry_after(resp)
+                if told is not None:  # 429 (or 503) with Retry-After: wait what it says
+                    now = self.clock()
+                    first_failure = now if first_failure is None else first_failure
+                    left = first_failure + self.patience - now
+                    if retry and told <= left:
+                        self.sleep(told + self._rng.uniform(0, min(told, 1.0) / 4))
+                        continue
             now = self.clock()
             first_failure = now if first_failure is None else first_failure
             left = first_failure + self.patience - now
@@ -134,6 +143,16 @@ class Connection:
 
     def close(self) -> None:
         self.http.close()
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    """The seconds an answer's `Retry-After` header says to wait (None: none, or a date)."""
+    value = resp.headers.get("retry-after", "")
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds < 86400 else None
 
 
 def _error(resp: httpx.Response) -> Exception:

@@ -30,6 +30,7 @@ from fedlang.deploy import protocol
 from fedlang.deploy.client import connection as connection_lib
 from fedlang.deploy.driver import admin as admin_lib
 from fedlang.deploy.driver import metrics as metrics_lib
+from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import buffered as buffered_plan
 
 
@@ -58,6 +59,9 @@ class BufferedDriver:
       patience: seconds to keep retrying while the server is unreachable.
       release: release each server step's metrics to the server (for the dashboard;
         `driver.metrics`), with the version as the round.
+      bounds: what a report may hold, declared in the plan and checked by the server
+        (`plans.bounds.ReportBounds`; default: the defaults for the learning
+        algorithms; None: no bounds).
       connection: more options of `connection.Connection`.
     """
 
@@ -73,6 +77,7 @@ class BufferedDriver:
         request_id: str | None = None,
         patience: float = 300.0,
         release: bool = True,
+        bounds: bounds_lib.ReportBounds | None = bounds_lib.DEFAULT,
         **connection: Any,
     ):
         self.process = process
@@ -81,7 +86,7 @@ class BufferedDriver:
         self.admin = admin_lib.Admin(self.connection, admin_token)
         self.token = admin_token
         self.population = population
-        self.plan = buffered_plan.BufferedPlan.build(process.train, data_name)
+        self.plan = buffered_plan.BufferedPlan.build(process.train, data_name, bounds)
         # The server enforces the process's bounds: it refuses stale reports (the client
         # is told) and holds at most K unapplied reports, so every report it accepts is
         # one the process folds into the current buffer.

@@ -31,6 +31,7 @@ from fedlang.core import client_state as client_state_lib
 from fedlang.core import context as core_context
 from fedlang.core import intrinsic_defs, intrinsics, serialization, signing, structure, types
 from fedlang.deploy import secagg
+from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import execution, folding
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.runtime import accumulate, lazy, reference, simulation
@@ -158,7 +159,9 @@ class LocalRounds:
             details = {"secagg_degree": secure.degree, "secagg_threshold": secure.threshold}
             aggregate = folder.fold_secure(aggregate, secure.sum, len(contributors))
         for cid in contributors:
-            aggregate = folder.fold(aggregate, folder.check(parts[cid].report))
+            report = folder.check(parts[cid].report)
+            folder.check_bounds(report)
+            aggregate = folder.fold(aggregate, report)
             if sp is not None and sp.writes:
                 self.states.setdefault(cid, {})[sp.name] = parts[cid].state
         return RoundResult(aggregate, len(contributors), time.perf_counter() - start, details)
@@ -174,7 +177,7 @@ class _DeploymentRun(simulation.Run):
         self.state_write: tuple[simulation.AggThunk, plan_lib.StateSource] | None = None
 
     def compute_wave(self, wave: list[simulation.AggThunk]) -> list[Any]:
-        round_plan, broadcast = plan_lib.build(wave, self.state_write)
+        round_plan, broadcast = plan_lib.build(wave, self.state_write, self.deployment.bounds)
         write = self.state_write[0] if self.state_write is not None else None
         if write is not None and write not in wave and not write.done and round_plan.state:
             raise plan_lib.DeploymentError(
@@ -205,14 +208,21 @@ class DeploymentContext:
       browser: for populations with browser clients, `(plan, broadcast) -> plan` adding
         what browsers run to each round's plan (`fedlang.deploy.browser.BrowserTasks`,
         which also runs the preflight); None for Python clients only.
+      bounds: what one client's report may hold, declared in each round's plan and
+        checked by the server for every report (`plans.bounds.ReportBounds`: weights
+        and counts within `max_examples_per_client`, the model update's L2 norm within
+        `clip` per unit of weight, explicit ranges and norms; the default declares the
+        defaults for the learning algorithms; None declares no bounds).
     """
 
     name = "deployment"
 
     def __init__(self, runner: RoundRunner,
-                 browser: Callable[[plan_lib.RoundPlan, bytes], plan_lib.RoundPlan] | None = None):
+                 browser: Callable[[plan_lib.RoundPlan, bytes], plan_lib.RoundPlan] | None = None,
+                 bounds: bounds_lib.ReportBounds | None = bounds_lib.DEFAULT):
         self.runner = runner
         self.browser = browser
+        self.bounds = bounds
         self.rounds: list[RoundResult] = []
         self._entered: list[Any] = []
 

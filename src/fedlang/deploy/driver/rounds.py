@@ -19,6 +19,7 @@ from fedlang.deploy.client import connection as connection_lib
 from fedlang.deploy.driver import admin as admin_lib
 from fedlang.deploy.driver import context
 from fedlang.deploy.driver import metrics as metrics_lib
+from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import round as plan_lib
 
 
@@ -154,7 +155,8 @@ def _stage(r: dict[str, Any]) -> str:
 
 
 def deployment_context(
-    url: str, admin_token: str, population: str, *, browser: bool = False, **options: Any
+    url: str, admin_token: str, population: str, *, browser: bool = False,
+    bounds: bounds_lib.ReportBounds | None = bounds_lib.DEFAULT, **options: Any
 ) -> context.DeploymentContext:
     """A deployment context whose rounds run on the clients of a server's population.
 
@@ -163,6 +165,7 @@ def deployment_context(
     plan also carries their ONNX programs, made and checked against JAX by the preflight
     before the first round of each task (`fedlang.deploy.browser`; needs the `browser`
     extra), so a computation browsers cannot run is refused before any round starts.
+    `bounds` declares what a report may hold (see `DeploymentContext`).
 
     Example:
       >>> with deployment_context("http://127.0.0.1:8000", token, "digits", target=20):  # doctest: +SKIP
@@ -173,4 +176,5 @@ def deployment_context(
         from fedlang.deploy import browser as browser_lib
 
         tasks = browser_lib.BrowserTasks()
-    return context.DeploymentContext(ServerRounds(url, admin_token, population, **options), tasks)
+    return context.DeploymentContext(
+        ServerRounds(url, admin_token, population, **options), tasks, bounds)

@@ -14,7 +14,9 @@ kind, a one-client "collect":
   programs) and is signed by the server like a round plan.
 * `data_name`: the client dataset it reads (e.g. `train`);
 * `weights_type`, `report_type`: the types of what the client downloads (a model
-  version's weights) and uploads.
+  version's weights) and uploads;
+* `bounds` (optional, `plans.bounds.Bounds`): what one report may hold, checked by the
+  server for every upload (`BufferedPlan.build(..., bounds=ReportBounds())`).
 
 Clients run it with the simulation runtime's local execution (`run`); the server checks
 every upload with explicit limits before storing it (`check`): the exact report type,
@@ -31,6 +33,7 @@ from typing import Any, cast
 from fedlang.core import computation, serialization, signing, structure, tracing, types
 from fedlang.core import operators as ops
 from fedlang.deploy import protocol
+from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import folding
 from fedlang.deploy.plans import round as plan
 from fedlang.runtime import simulation
@@ -74,10 +77,13 @@ class BufferedPlan:
     data_name: str
     weights_type: types.Type
     report_type: types.Type
+    bounds: bounds_lib.Bounds | None = None
 
     @staticmethod
-    def build(train: Any, data_name: str = "train") -> BufferedPlan:
-        """The plan of `train`, a local computation `(model_weights, dataset) -> report`.
+    def build(train: Any, data_name: str = "train",
+              bounds: bounds_lib.ReportBounds | None = None) -> BufferedPlan:
+        """The plan of `train`, a local computation `(model_weights, dataset) -> report`,
+        with the report bounds `bounds` declares (None: none).
 
         Raises:
           TypeError: if `train` is not such a computation.
@@ -104,7 +110,8 @@ class BufferedPlan:
              types.FederatedType(weights_t, types.SERVER)),
             name="buffered_client_task",
         )
-        return BufferedPlan(task, data_name, weights_t, t.result)
+        declared = None if bounds is None else bounds.for_buffered(t.result)
+        return BufferedPlan(task, data_name, weights_t, t.result, declared)
 
     @property
     def max_report_bytes(self) -> int:
@@ -116,16 +123,24 @@ class BufferedPlan:
         """The type of what a client downloads with its task: a model version's weights."""
         return self.weights_type
 
+    @property
+    def report_paths(self) -> list[str]:
+        """The path of each leaf of a report (`.update_weight`): how `bounds` names them."""
+        return bounds_lib.leaf_paths(self.report_type)
+
     def to_bytes(self) -> bytes:
         """The plan as bytes (JSON with the binary format embedded, base64)."""
-        return json.dumps({
+        doc = {
             "kind": PLAN_KIND,
             "version": PLAN_VERSION,
             "task": plan.b64(self.task.to_bytes()),
             "data": self.data_name,
             "weights_type": plan.b64(serialization.serialize_type(self.weights_type)),
             "report_type": plan.b64(serialization.serialize_type(self.report_type)),
-        }, separators=(",", ":")).encode()
+        }
+        if self.bounds is not None:  # only then: plans without bounds are unchanged
+            doc["bounds"] = self.bounds.to_json()
+        return json.dumps(doc, separators=(",", ":")).encode()
 
     @staticmethod
     def from_bytes(data: bytes) -> BufferedPlan:
@@ -148,6 +163,10 @@ class BufferedPlan:
                 raise serialization.malformed("a client data name", repr(name)[:60])
             weights_t = serialization.deserialize_type(plan.unb64(doc["weights_type"]))
             report_t = serialization.deserialize_type(plan.unb64(doc["report_type"]))
+            declared = None
+            if doc.get("bounds") is not None:
+                declared = bounds_lib.Bounds.from_json(doc["bounds"],
+                                                       bounds_lib.leaf_paths(report_t))
         except serialization.SerializationError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as e:
@@ -159,7 +178,7 @@ class BufferedPlan:
         )
         if not want.is_assignable_from(task.type_signature):
             raise serialization.malformed(f"a task of type {want}", task.type_signature)
-        return BufferedPlan(task, name, weights_t, report_t)
+        return BufferedPlan(task, name, weights_t, report_t, declared)
 
     def check(self, report: bytes) -> Any:
         """Decodes one client's uploaded report (untrusted bytes) with explicit limits.
@@ -176,6 +195,11 @@ class BufferedPlan:
             structure.to_internal(value, self.report_type), self.report_type, "the report"
         )
         return value
+
+    def leaves(self, report: Any) -> dict[str, Any]:
+        """A checked report's leaves (as `check` returns it) by path, for `bounds`."""
+        value = structure.to_internal(report, self.report_type)
+        return bounds_lib.leaves_of(value, self.report_type, self.report_paths)
 
     def run(
         self,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from fedlang.core import serialization, structure, types
+from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.runtime import accumulate
 
@@ -27,7 +28,7 @@ class ReportError(ValueError):
     """A client's report that the server refuses (the client gets a 4xx with this text).
 
     `reason` names the kind of refusal for the server's counters: `malformed`,
-    `too_large`, `non_finite` or `not_one_client`.
+    `too_large`, `non_finite`, `not_one_client`, `overflow` or `out_of_bounds`.
     """
 
     def __init__(self, message: str, reason: str = "malformed"):
@@ -58,6 +59,8 @@ class Folder:
         self.max_report_bytes = max_bytes(self.report_type)
         self.partial_type = partial_type(self.aggregate_type)
         self.max_partial_bytes = max_bytes(self.partial_type)
+        self.bounds = round_plan.bounds or bounds_lib.Bounds()
+        self.report_paths = round_plan.report_paths
 
     def _accumulators(self, aggregate: bytes | None = None) -> list[Any]:
         accumulators = [a.make() for a in self.plan.aggregations]
@@ -91,6 +94,18 @@ class Folder:
         for i, partial, t in zip(self.plain, value, self.report_type.types):
             _check_one_client(partial, t, f"aggregation {i} ({self.plan.aggregations[i].uri})")
         return value
+
+    def leaves(self, report: Any) -> dict[str, Any]:
+        """A checked report's leaves by path (`RoundPlan.report_paths`), for `bounds`."""
+        return bounds_lib.leaves_of(report, self.report_type, self.report_paths)
+
+    def check_bounds(self, report: Any) -> None:
+        """A checked report is within the plan's bounds.
+
+        Raises:
+          ReportError: `out_of_bounds`, naming the leaf and the bound.
+        """
+        check_bounds(self.bounds, self.leaves(report))
 
     def fold(self, aggregate: bytes, report: Any) -> bytes:
         """The aggregate with one checked plain report folded in.
@@ -273,6 +288,14 @@ def decode(data: bytes, t: types.Type, limit: int | None, what: str) -> Any:
         return serialization.deserialize_value(data, expected_type=t, max_bytes=limit)
     except serialization.SerializationError as e:
         raise ReportError(f"Expected {what} of type {t}: {e}") from e
+
+
+def check_bounds(bounds: bounds_lib.Bounds, leaves: dict[str, Any]) -> None:
+    """`bounds.check(leaves)`, its refusal a `ReportError` (`out_of_bounds`)."""
+    try:
+        bounds.check(leaves)
+    except bounds_lib.OutOfBounds as e:
+        raise ReportError(str(e), reason=e.reason) from e
 
 
 def check_finite(value: Any, t: types.Type, where: str) -> None:

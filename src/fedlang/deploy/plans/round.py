@@ -20,6 +20,9 @@ does (lazily, aggregations in waves); each wave becomes a round on real clients.
   state's name, type and the computation `( -> S)` of a client seen for the first
   time; the device reads its state before the task and keeps `S'` itself: the state
   is never in a report (docs/learning.md, "Client state").
+* `bounds` (optional, `plans.bounds.Bounds`): what one client's plain report may hold
+  (per leaf a range, L2 norms of groups of leaves), declared by the driver
+  (`bounds.ReportBounds`) and checked by the server for every report.
 
 A client runs the task on its own data, folds each `x_i` into its aggregation's
 accumulator (`runtime.accumulate`) and reports the partials; the server merges the
@@ -41,6 +44,7 @@ from typing import Any, cast
 
 from fedlang.core import computation, intrinsics, ir, serialization, structure, tracing, types
 from fedlang.core import operators as ops
+from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.runtime import accumulate, lazy, reference
 
 PLAN_VERSION = 1
@@ -172,6 +176,7 @@ class RoundPlan:
     aggregations: tuple[AggregationPlan, ...]
     browser: dict[str, Any] | None = dataclasses.field(default=None, compare=False)
     state: StatePlan | None = None
+    bounds: bounds_lib.Bounds | None = None
 
     @property
     def aggregate_type(self) -> types.StructType:
@@ -191,6 +196,13 @@ class RoundPlan:
         return types.StructType(
             [t for i, t in enumerate(self.aggregate_type.types) if i not in secure]
         )
+
+    @property
+    def report_paths(self) -> list[str]:
+        """The path of each leaf of a plain report, its aggregation's index first
+        (`[0].b`, `[4]`): how `bounds` names them."""
+        plain = [i for i in range(len(self.aggregations)) if i not in set(self.secure)]
+        return bounds_lib.leaf_paths(self.report_type, [f"[{i}]" for i in plain])
 
     def secure_segments(self, num_clients: int) -> list[tuple[int, int]]:
         """`(length, modulus)` per tensor of every secure aggregation, for a cohort of
@@ -218,6 +230,8 @@ class RoundPlan:
             doc["browser"] = self.browser
         if self.state is not None:  # likewise: plans without client state are unchanged
             doc["state"] = self.state.to_json()
+        if self.bounds is not None:  # likewise: plans without bounds are unchanged
+            doc["bounds"] = self.bounds.to_json()
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @staticmethod
@@ -244,11 +258,15 @@ class RoundPlan:
             if browser is not None and not isinstance(browser, dict):
                 raise serialization.malformed("a browser section (an object)", repr(browser)[:60])
             state = None if doc.get("state") is None else StatePlan.from_json(doc["state"])
+            plan = RoundPlan(task, tuple(names), broadcast_t, aggregations, browser, state)
+            if doc.get("bounds") is not None:
+                plan = dataclasses.replace(
+                    plan, bounds=bounds_lib.Bounds.from_json(doc["bounds"], plan.report_paths))
         except serialization.SerializationError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise serialization.malformed("a round plan", f"{type(e).__name__}: {e}") from e
-        return RoundPlan(task, tuple(names), broadcast_t, aggregations, browser, state)
+        return plan
 
 
 def b64(data: bytes) -> str:
@@ -415,7 +433,9 @@ def _function_node(fn: Any) -> ir.Node:
 
 
 def build(
-    aggregations: list[Any], state_write: tuple[Any, StateSource] | None = None
+    aggregations: list[Any],
+    state_write: tuple[Any, StateSource] | None = None,
+    report_bounds: bounds_lib.ReportBounds | None = None,
 ) -> tuple[RoundPlan, Any]:
     """The plan of a wave, and the broadcast value (a tuple, internal form).
 
@@ -424,6 +444,7 @@ def build(
       state_write: `(thunk, source)` when the invocation writes client state: the
         `AggThunk` whose input is the new state (it becomes the task's last output, kept
         on the device, when it is in this wave) and the state it writes.
+      report_bounds: what reports may hold (None: the plan declares no bounds).
 
     Raises:
       DeploymentError: naming what cannot run on real clients.
@@ -459,7 +480,39 @@ def build(
         state = StatePlan(source.name, source.member, source.initialize, writes is not None)
     broadcast_t = cast(types.StructType, arg_t.types[1])
     plan = RoundPlan(task, tuple(builder.data), broadcast_t, tuple(plans), state=state)
+    if report_bounds is not None:
+        summed = [a for a in aggregations if a is not writes]
+        plain = [i for i in range(len(plans)) if i not in set(plan.secure)]
+        declared = report_bounds.for_round(plan.aggregations, plan.report_type, plain,
+                                           _weighted_by(summed, plans))
+        plan = dataclasses.replace(plan, bounds=declared)
     return plan, tuple(v for v, _ in builder.broadcasts)
+
+
+def _weighted_by(thunks: list[Any], plans: list[AggregationPlan]) -> dict[int, int]:
+    """Which `federated_sum` sums values weighted by which other one's scalar float
+    weight: `i -> j` when aggregation `i`'s client input is a `federated_map` over a zip
+    that holds aggregation `j`'s input itself (how `MeanFactory`, and so FedAvg, sums
+    `w * u` and `w`)."""
+    sum_uri = intrinsics.lookup("federated_sum").uri
+    weights = {}
+    for j, (a, p) in enumerate(zip(thunks, plans)):
+        member = p.client_type
+        if p.uri == sum_uri and isinstance(member, types.TensorType) and not member.shape \
+                and member.dtype.kind == "f":
+            weights[id(a.input)] = j
+    out = {}
+    for i, (a, p) in enumerate(zip(thunks, plans)):
+        cv = a.input
+        if p.uri != sum_uri or not isinstance(cv, lazy.Mapped) \
+                or not isinstance(cv.input, lazy.Zipped):
+            continue
+        for part in cv.input.children():
+            w = weights.get(id(part))
+            if w is not None and w != i:
+                out[i] = w
+                break
+    return out
 
 
 def _federated_task(

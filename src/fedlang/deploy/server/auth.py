@@ -7,7 +7,8 @@ callers prove who they are (issue 23: before any body is read) is made once.
 from __future__ import annotations
 
 import secrets
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, TypeVar
 
 import fastapi
 from fastapi import security
@@ -16,6 +17,7 @@ from fedlang.deploy import protocol
 from fedlang.deploy.server import state as state_lib
 from fedlang.deploy.store import store as store_lib
 
+T = TypeVar("T")
 _bearer = security.HTTPBearer(auto_error=False, description="A bearer token.")
 Bearer = Annotated[security.HTTPAuthorizationCredentials | None, fastapi.Depends(_bearer)]
 
@@ -81,14 +83,43 @@ def _check_admin(server: state_lib.ServerState, given: str) -> None:
 def client(
     server: state_lib.ServerState, auth: security.HTTPAuthorizationCredentials | None
 ) -> tuple[str, str]:
-    """(client id, population) of the client credential of a request; a refusal is
-    counted (`refused:unauthorized`, `refused:expired`).
+    """(client id, population) of the client credential of a request, within the
+    client's rate limit (`ratelimit`); a refusal is counted (`refused:unauthorized`,
+    `refused:expired`, `refused:rate_limited`).
 
     Raises:
       Unauthorized: no credential, or an unknown or expired one.
+      RateLimited: the client made more requests than its rate limit allows.
     """
     try:
-        return server.store.authenticate(token(auth, "a client credential"))
-    except protocol.Unauthorized as e:
+        client_id, population = server.store.authenticate(token(auth, "a client credential"))
+        if server.client_buckets is not None:
+            server.client_buckets.check(client_id)
+    except (protocol.Unauthorized, protocol.RateLimited) as e:
         server.store.count_refusal(e.reason)
+        raise
+    return client_id, population
+
+
+def enrollment(server: state_lib.ServerState, address: str, attempt: Callable[[], T]) -> T:
+    """`attempt()` (an enrollment) from `address`, within the address's limit on failed
+    attempts: refused at once (429, counted) when the address has none left; a failure
+    takes one.
+
+    Raises:
+      RateLimited: `address` failed to enroll too often.
+      Unauthorized, NotFound: what `attempt` raises for a wrong token or an unknown
+        population (taking one attempt).
+    """
+    buckets = server.enroll_buckets
+    if buckets is None:
+        return attempt()
+    seconds = buckets.wait(address)
+    if seconds > 0:
+        server.store.count_refusal(protocol.RateLimited.reason)
+        raise buckets.refuse(address, seconds)
+    try:
+        return attempt()
+    except (protocol.Unauthorized, protocol.NotFound):  # a wrong token, or population
+        buckets.take(address)
         raise

@@ -108,12 +108,16 @@ async def upload_blob(
 
 
 @router.post("/populations/{name}/enroll", status_code=201, tags=["client"])
-def enroll(name: routing.Population, auth: auth_lib.Bearer, server: State) -> schemas.EnrollOut:
+def enroll(name: routing.Population, auth: auth_lib.Bearer, server: State,
+           request: fastapi.Request) -> schemas.EnrollOut:
     """Enrolls a client with the population's token. Keep the credential; pin the
-    server's public key: every plan the client runs must be signed by it."""
-    client_id, credential, expires = server.store.enroll(
-        name, auth_lib.token(auth, "the population's enrollment token"), server.credential_ttl
-    )
+    server's public key: every plan the client runs must be signed by it. An address
+    that failed too often is refused (429) for a while."""
+    client_id, credential, expires = auth_lib.enrollment(
+        server, request.client.host if request.client else "",
+        lambda: server.store.enroll(
+            name, auth_lib.token(auth, "the population's enrollment token"),
+            server.credential_ttl))
     return schemas.EnrollOut(
         client_id=client_id,
         credential=credential,

@@ -109,6 +109,13 @@ class PartialUploads:
     def check(self, target: rounds_lib.Round, upload: intake.Upload) -> Any:
         return self.server.verified.folder(target.plan).check_partial(upload.body)
 
+    def bounded(self, target: rounds_lib.Round, upload: intake.Upload) -> None:
+        """None: a partial is no one client's report. The edge checked each of its
+        clients' reports against the same signed plan's bounds (its intake is this one);
+        the partial itself is checked for finite values and its counts (`check`), and
+        comes from an edge the root's admin made (its token)."""
+        return None
+
     def accept(self, target: rounds_lib.Round, upload: intake.Upload) -> bool:
         folder = self.server.verified.folder(target.plan)
         partial: folding.Partial = upload.checked

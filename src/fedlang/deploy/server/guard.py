@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Iterable
 
 from fastapi import responses, routing
@@ -46,8 +47,13 @@ audit_log = logging.getLogger("fedlang.deploy.server.audit")
 
 
 def refusal(e: protocol.ProtocolError) -> responses.JSONResponse:
-    """The answer to a refused request: its status, the message and the reason."""
-    return responses.JSONResponse({"detail": str(e), "reason": e.reason}, status_code=e.status)
+    """The answer to a refused request: its status, the message and the reason (and,
+    for a rate limit, `Retry-After`: whole seconds, rounded up)."""
+    headers = None
+    if isinstance(e, protocol.RateLimited):
+        headers = {"Retry-After": str(max(1, math.ceil(e.retry_after)))}
+    return responses.JSONResponse({"detail": str(e), "reason": e.reason}, status_code=e.status,
+                                  headers=headers)
 
 
 class Guard:

@@ -12,7 +12,9 @@ steps (`take`):
    another upload, 403 not assigned, 410 closed, and the mode's own refusals), before
    anything is decoded;
 5. check it against the plan (400 with the reason: `malformed`, `too_large`,
-   `non_finite`, `not_one_client`, or the protocol's `secagg`);
+   `non_finite`, `not_one_client`, or the protocol's `secagg`), then against the
+   bounds the plan declares (`plans.bounds`: per leaf a range, L2 norms of groups of
+   leaves; 400 `out_of_bounds` naming the leaf and the bound), here for every mode;
 6. accept it in one transaction, which admits it again with the task locked and folds
    (a round) or stores (a session) it; a report that would make a round's aggregate
    overflow to infinity is refused there (400 `overflow`), the transaction undone;
@@ -39,6 +41,7 @@ from fastapi import security
 from starlette import concurrency
 
 from fedlang.deploy import protocol
+from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import folding
 from fedlang.deploy.server import auth as auth_lib
 from fedlang.deploy.server import state as state_lib
@@ -87,6 +90,10 @@ class Uploads(Protocol, Generic[T]):
 
     def check(self, target: T, upload: Upload) -> Any:
         """The upload's body, decoded and checked against the plan. Raises ReportError."""
+
+    def bounded(self, target: T, upload: Upload) -> tuple[bounds_lib.Bounds, dict[str, Any]] | None:
+        """The plan's report bounds and the checked upload's report leaves by path (as
+        the bounds name them); None when the upload holds no plain report."""
 
     def accept(self, target: T, upload: Upload) -> bool:
         """Accepts the checked upload in one transaction; False for a replay."""
@@ -166,7 +173,10 @@ def _admit_and_check(uploads: Uploads[T], target: T, upload: Upload) -> Upload |
     if uploads.precheck(target, upload):
         return None
     try:
-        checked = uploads.check(target, upload)
+        upload = dataclasses.replace(upload, checked=uploads.check(target, upload))
+        bounded = uploads.bounded(target, upload)
+        if bounded is not None:
+            folding.check_bounds(*bounded)
     except folding.ReportError as e:
         raise protocol.BadRequest(str(e), reason=e.reason) from e
-    return dataclasses.replace(upload, checked=checked)
+    return upload

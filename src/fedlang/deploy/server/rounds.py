@@ -40,6 +40,10 @@ class ReportUploads:
     def check(self, target: rounds_lib.Round, upload: intake.Upload) -> Any:
         return self.server.verified.folder(target.plan).check(upload.body)
 
+    def bounded(self, target: rounds_lib.Round, upload: intake.Upload) -> Any:
+        folder = self.server.verified.folder(target.plan)
+        return folder.bounds, folder.leaves(upload.checked)
+
     def accept(self, target: rounds_lib.Round, upload: intake.Upload) -> bool:
         folder = self.server.verified.folder(target.plan)
         return self.server.rounds.accept(

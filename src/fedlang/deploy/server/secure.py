@@ -56,6 +56,14 @@ class AnswerUploads:
         report, message = protocol.unpack_masked_input(upload.body)
         return message, self.server.verified.folder(target.plan).check(report)
 
+    def bounded(self, target: rounds_lib.Round, upload: intake.Upload) -> Any:
+        """Stage 3's plain report's bounds (the masked input is bounded by its modulus)."""
+        _, report = upload.checked
+        if report is None:
+            return None
+        folder = self.server.verified.folder(target.plan)
+        return folder.bounds, folder.leaves(report)
+
     def accept(self, target: rounds_lib.Round, upload: intake.Upload) -> bool:
         message, report = upload.checked
         return self.server.secure.accept(

@@ -32,8 +32,8 @@ from uvicorn.protocols.http import h11_impl
 
 from fedlang.core import signing
 from fedlang.deploy.server import app as app_lib
+from fedlang.deploy.server import ratelimit, telemetry
 from fedlang.deploy.server import state as state_lib
-from fedlang.deploy.server import telemetry
 from fedlang.deploy.store import sql
 from fedlang.deploy.store import store as store_lib
 
@@ -159,12 +159,21 @@ class Limits:
       keep_alive: seconds an idle connection is kept open after an answer.
       max_connections: connections and requests in progress at once; more get 503, which
         clients retry.
+      client_rate, client_burst: requests per second each enrolled client may make on
+        average, and at once (`ratelimit`; more get 429 with Retry-After, which
+        clients wait out); 0 turns the limit off.
+      enroll_rate, enroll_burst: failed enrollments per second one address may make on
+        average, and at once (then 429, even with a good token); 0 turns it off.
     """
 
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     keep_alive: float = 5.0
     max_connections: int = 1000
+    client_rate: float = 50.0
+    client_burst: int = 200
+    enroll_rate: float = 1.0
+    enroll_burst: int = 20
 
     def __post_init__(self) -> None:
         for name in ("header_timeout", "body_timeout", "keep_alive"):
@@ -172,6 +181,19 @@ class Limits:
                 raise ValueError(f"Expected {name} > 0 seconds, found {getattr(self, name)}.")
         if self.max_connections < 1:
             raise ValueError(f"Expected max_connections >= 1, found {self.max_connections}.")
+        self.rate("client")
+        self.rate("enroll")
+
+    def rate(self, which: str) -> ratelimit.Rate | None:
+        """The `client` or `enroll` rate limit (None when its rate is 0: off)."""
+        rate, burst = getattr(self, f"{which}_rate"), getattr(self, f"{which}_burst")
+        if rate == 0:
+            return None
+        try:
+            return ratelimit.Rate(rate, burst)
+        except ValueError as e:
+            raise ValueError(f"Expected {which}_rate > 0 (0: no limit) and {which}_burst >= 1, "
+                             f"found {rate:g} and {burst}.") from e
 
 
 class HeaderTimeout(h11_impl.H11Protocol):
@@ -320,13 +342,13 @@ class Server:
             # The token, when this start knows it (given, or made now and shown once);
             # None when the database keeps only its hash from an earlier start.
             self.admin_token = admin_token or made
-            self.app_state = state_lib.ServerState(
-                self.store, load_key(key, self.store, db), token_hash, credential_ttl,
-                max_blob_bytes,
-            )
-            self.public_key = self.app_state.public_key
             limits = limits or Limits()
             self.limits = limits
+            self.app_state = state_lib.ServerState(
+                self.store, load_key(key, self.store, db), token_hash, credential_ttl,
+                max_blob_bytes, limits.rate("client"), limits.rate("enroll"),
+            )
+            self.public_key = self.app_state.public_key
             self.app = app_lib.create_app(self.app_state, tick, limits.body_timeout)
             if browser or demo_page:
                 from fedlang.deploy.browser import routes

@@ -58,6 +58,12 @@ class ReportUploads:
     def check(self, target: sessions_lib.Session, upload: intake.Upload) -> Any:
         return self.server.verified.buffered(target.plan).check(upload.body)
 
+    def bounded(self, target: sessions_lib.Session, upload: intake.Upload) -> Any:
+        plan = self.server.verified.buffered(target.plan)
+        if plan.bounds is None:
+            return None
+        return plan.bounds, plan.leaves(upload.checked)
+
     def accept(self, target: sessions_lib.Session, upload: intake.Upload) -> bool:
         return self.server.sessions.accept(
             target.id, upload.client, upload.slot, upload.digest, upload.body

@@ -9,6 +9,7 @@ from typing import Any
 from fedlang.core import signing
 from fedlang.deploy.plans import cache
 from fedlang.deploy.plans import round as plan_lib
+from fedlang.deploy.server import ratelimit
 from fedlang.deploy.server import telemetry as telemetry_lib
 from fedlang.deploy.store import edges as edges_lib
 from fedlang.deploy.store import rounds as rounds_lib
@@ -28,6 +29,8 @@ class ServerState:
       admin_token_hash: the SHA-256 (hex) of the admin endpoints' bearer token.
       credential_ttl: seconds a client credential stays valid.
       max_blob_bytes: the largest blob the admin may upload.
+      client_rate: each enrolled client's rate limit (`ratelimit`; None: none).
+      enroll_rate: each address's limit on failed enrollments (None: none).
     """
 
     def __init__(
@@ -37,6 +40,8 @@ class ServerState:
         admin_token_hash: str,
         credential_ttl: float = 30 * 86400,
         max_blob_bytes: int = 1 << 30,
+        client_rate: ratelimit.Rate | None = None,
+        enroll_rate: ratelimit.Rate | None = None,
     ):
         self.store = store
         self.key = key
@@ -51,6 +56,10 @@ class ServerState:
         self.sessions = sessions_lib.Sessions(store)  # buffered (FedBuff) sessions
         self.telemetry = telemetry_lib.Telemetry(store)  # /metrics, rates, request logs
         self.edges = edges_lib.Edges(self.rounds)  # edge aggregators' shares of rounds
+        self.client_buckets = None if client_rate is None else ratelimit.Buckets(
+            client_rate, "client")
+        self.enroll_buckets = None if enroll_rate is None else ratelimit.Buckets(
+            enroll_rate, "address")
 
     def close_due(self) -> None:
         """Closes the rounds, and the secure rounds' stages, whose time is up."""

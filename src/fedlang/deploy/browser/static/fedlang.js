@@ -465,7 +465,7 @@ function sleep(seconds, signal) {
   });
 }
 
-const RETRY_STATUS = new Set([502, 503, 504]);
+const RETRY_STATUS = new Set([429, 502, 503, 504]);
 
 export class FedlangClient {
   // server: the task store's URL (default: this page's origin); population, token: the
@@ -517,12 +517,13 @@ export class FedlangClient {
 
   get stopped() { return this.stopper.signal.aborted; }
 
-  // fetch with retries (connection errors, 502/503/504) and backoff with full jitter;
-  // returns a 2xx response or throws a FedlangError carrying the 4xx/5xx status.
+  // fetch with retries (connection errors, 502/503/504) and backoff with full jitter, and
+  // 429 (rate limited) after the seconds its Retry-After says; returns a 2xx response or
+  // throws a FedlangError carrying the 4xx/5xx status.
   async request(method, path, { token = null, body = null, headers = {} } = {}) {
     const started = Date.now();
     for (let attempt = 0; ; attempt++) {
-      let problem;
+      let problem, told = null;
       try {
         const h = { ...headers };
         if (token) h.Authorization = `Bearer ${token}`;
@@ -534,6 +535,8 @@ export class FedlangClient {
           throw new FedlangError(String(detail), response.status, reason || "");
         }
         problem = `HTTP ${response.status}`;
+        const after = Number(response.headers.get("Retry-After"));
+        if (response.headers.has("Retry-After") && after >= 0 && after < 86400) told = after;
       } catch (e) {
         if (e instanceof FedlangError) throw e;
         problem = String(e);  // the server is unreachable (restarting?)
@@ -544,7 +547,8 @@ export class FedlangClient {
                                `found ${problem} for ${Math.round(waited)} s.`);
       }
       const [first, largest] = this.backoff;
-      const wait = Math.random() * Math.min(largest, first * 2 ** attempt);
+      const wait = told !== null ? told + Math.random() * Math.min(told, 1) / 4
+        : Math.random() * Math.min(largest, first * 2 ** attempt);
       this.emit("retry", { problem, wait });
       await sleep(wait, this.stopper.signal);
     }
