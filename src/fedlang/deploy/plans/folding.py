@@ -98,6 +98,21 @@ class Folder:
             the report is refused, and the aggregate stays as it was.
         """
         accumulators = self._accumulators(aggregate)
+        self.fold_into(accumulators, report)
+        return self._serialize(accumulators)
+
+    def accumulators(self, aggregate: bytes | None = None) -> list[Any]:
+        """A running aggregate to fold reports into in memory (`fold_into`): empty, or
+        holding the stored `aggregate`."""
+        return self._accumulators(aggregate)
+
+    def fold_into(self, accumulators: list[Any], report: Any) -> None:
+        """Folds one checked plain report into a running aggregate, in place.
+
+        Raises:
+          ReportError: `overflow`, as `fold`; the report is refused and `accumulators`
+            may hold it in part: the caller rebuilds them from what it kept.
+        """
         for i, partial in zip(self.plain, report):
             acc = accumulators[i]
             with np.errstate(all="ignore"):  # checked just below
@@ -110,6 +125,29 @@ class Folder:
                     "reporting.",
                     reason="overflow",
                 )
+
+    def serialize(self, accumulators: Sequence[Any]) -> bytes:
+        """A running aggregate's bytes, as the store keeps them."""
+        return self._serialize(accumulators)
+
+    def merge(self, aggregates: Sequence[bytes]) -> bytes:
+        """One aggregate of several partial aggregates of a round (a round's shards).
+
+        Raises:
+          ReportError: `overflow`, if their sum overflows to infinity.
+        """
+        accumulators = self._accumulators()
+        for data in aggregates:
+            value = self._decode(data, self.aggregate_type, None, "an aggregate")
+            for i, (acc, partial) in enumerate(zip(accumulators, value)):
+                with np.errstate(all="ignore"):  # checked just below
+                    acc.merge(partial)
+                if not _within_range(acc, self.aggregate_type.types[i]):
+                    raise ReportError(
+                        f"Expected partial aggregates whose sum stays finite, found aggregation "
+                        f"{i} ({self.plan.aggregations[i].uri}) overflowing to infinity.",
+                        reason="overflow",
+                    )
         return self._serialize(accumulators)
 
     def fold_secure(self, aggregate: bytes, sums: Sequence[Any], num_clients: int) -> bytes:

@@ -14,8 +14,10 @@ steps (`take`):
 5. check it against the plan (400 with the reason: `malformed`, `too_large`,
    `non_finite`, `not_one_client`, or the protocol's `secagg`);
 6. accept it in one transaction, which admits it again with the task locked and folds
-   (a round) or stores (a session) it; a report that would make a round's aggregate
-   overflow to infinity is refused there (400 `overflow`), the transaction undone;
+   (a round: with the other reports waiting, into this process's shard of its aggregate,
+   `store.shards`) or stores (a session) it, answering only once it is committed; a
+   report that would make a round's aggregate overflow to infinity is refused there (400
+   `overflow`), and nothing of it is kept;
 
 and every refusal from step 3 on is counted (`refused:REASON` in `GET /v1/status`, and
 in the task: `Uploads.count_refusal`).

@@ -380,6 +380,7 @@ class Server:
         """Closes the socket and the database, and releases the database's lock."""
         with contextlib.suppress(OSError):
             self._sock.close()
+        self.app_state.close()
         self.store.close()
         self._release()
 

@@ -1,0 +1,244 @@
+"""Plain rounds' reports taken at network speed: folded in memory, committed in groups.
+
+`rounds.Rounds.accept` takes one report per transaction: it locks the round's row,
+decodes the stored aggregate, folds the report in, and rewrites it. `ReportShards` takes
+the same reports with the same guarantees at a fraction of the cost:
+
+* **a shard per process.** Each server process keeps, for each open round, the running
+  aggregate of the reports it accepted in memory (its *shard*: accumulators, never
+  decoded or re-encoded per report) and a row `aggregate_shards (round, shard, data,
+  reports)` holding the shard as of its last commit. Processes never write each other's
+  rows, so several processes on one PostgreSQL take one round's reports in parallel.
+* **group commit.** Requests hand their checked reports to one writer thread per
+  process, which takes all that are waiting in one transaction: it admits each
+  (`admission`, exactly as `Rounds.accept`: replays, 409/403/410), folds it into the
+  shard (a report that would make the shard overflow is refused, 400 `overflow`),
+  records its digest and its client's assignment, then writes each touched shard's row
+  once, and commits. Each request is answered only after the commit that holds its
+  report: an acknowledged report is in the database (its digest, and the shard row
+  its value is folded into), so `kill -9` of the process loses none; a report not yet
+  committed was never acknowledged, and its client retries it.
+* **the round's row** is read with a share lock (`Rounds.round_for_reports`: on
+  PostgreSQL `FOR KEY SHARE`, which reports of one round take together, and which
+  keeps only a close out) and never written by a report; its count is its row's plus
+  its shards' (`rounds._ROUND_FIELDS`). When the count reaches the target (or the
+  deadline passes) the writer closes the round after its commit (`Rounds.close_if_done`,
+  the row locked `FOR UPDATE` only then), which merges every shard into the round's
+  aggregate. A restarted process starts new shards; the old ones are merged with the
+  rest. A report the writer sees after the round reached its target is refused 410 as
+  after its close. (Several processes may each commit a group just as the target is
+  reached: the round then holds a few more reports than its target, each from a client
+  assigned to it. One process never does.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import secrets
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from fedlang.deploy import protocol
+from fedlang.deploy.plans import folding
+from fedlang.deploy.store import admission, sql
+from fedlang.deploy.store import rounds as rounds_lib
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One report waiting for the writer, and its answer once committed."""
+
+    round: int
+    client: str
+    digest: str
+    size: int
+    checked: Any
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    result: bool | BaseException | None = None
+
+
+@dataclasses.dataclass
+class _Shard:
+    """A round's shard in this process: its running aggregate (as its row holds it,
+    plus the reports of the transaction under way)."""
+
+    accumulators: list[Any]
+
+
+class ReportShards:
+    """Takes plain rounds' reports into this process's shards (see the module docstring).
+
+    Args:
+      rounds: the rounds of the store (`rounds.folders` set: each round's `Folder`).
+      max_batch: the most reports committed in one transaction.
+    """
+
+    def __init__(self, rounds: rounds_lib.Rounds, max_batch: int = 256):
+        if rounds.folders is None:
+            raise ValueError("Expected Rounds made with its folders, found none.")
+        self.rounds = rounds
+        self.store = rounds.store
+        self.folders: Callable[[str], folding.Folder] = rounds.folders
+        self.max_batch = max_batch
+        self.shard = secrets.token_hex(8)  # this process's shards, until it stops
+        self._shards: dict[int, _Shard] = {}
+        self._waiting: list[_Pending] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def accept(self, round_id: int, client_id: str, digest: str, size: int, checked: Any) -> bool:
+        """Accepts a checked report (`Folder.check`'s value) once it is committed; False
+        for a replay of an accepted report (nothing changes).
+
+        Raises:
+          Forbidden, Gone, Conflict: as `Rounds.accept`.
+          ReportError: `overflow`: the report would make the round's aggregate overflow.
+        """
+        pending = _Pending(round_id, client_id, digest, size, checked)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("The server is stopping; send the report again.")
+            self._waiting.append(pending)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                 name="fedlang-report-writer")
+                self._thread.start()
+            self._cond.notify()
+        pending.done.wait()
+        if isinstance(pending.result, BaseException):
+            raise pending.result
+        return bool(pending.result)
+
+    def close(self) -> None:
+        """Commits what is waiting, then stops the writer."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=60)
+
+    # -- the writer
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if not self._waiting:
+                    return
+                batch = self._waiting[: self.max_batch]
+                del self._waiting[: self.max_batch]
+            try:
+                due = self._commit(batch)
+            except BaseException as e:  # the transaction is undone: no report was taken
+                self._shards.clear()  # rebuilt from their committed rows
+                for p in batch:
+                    p.result = e
+                due = set()
+            for round_id in sorted(due):  # before the answers: a client told its report
+                # (a close that fails now is made by the next report or the deadline tick)
+                with contextlib.suppress(Exception):  # closed the round finds it closed
+                    self.rounds.close_if_done(round_id)
+            for p in batch:
+                p.done.set()
+
+    def _commit(self, batch: list[_Pending]) -> set[int]:
+        """Takes `batch` in one transaction (see the module docstring); sets each
+        report's result; returns the rounds to close once it is committed."""
+        now = self.store.clock()
+        due: set[int] = set()
+        folded: dict[int, list[_Pending]] = {}
+        with self.store.transaction(write=True) as tx:
+            rounds: dict[int, rounds_lib.Round | protocol.ProtocolError] = {}
+            for round_id in sorted({p.round for p in batch}):  # one lock order: no deadlock
+                try:
+                    rounds[round_id] = self.rounds.round_for_reports(tx, round_id)
+                except protocol.ProtocolError as e:
+                    rounds[round_id] = e
+            counts = {i: r.reports for i, r in rounds.items() if isinstance(r, rounds_lib.Round)}
+            for p in batch:
+                r = rounds[p.round]
+                try:
+                    if isinstance(r, BaseException):
+                        raise r
+                    p.result = self._take(tx, r, p, counts, due, folded, now)
+                except (protocol.ProtocolError, folding.ReportError) as e:
+                    p.result = e
+            for round_id, taken in folded.items():
+                shard = self._shards[round_id]
+                folder = self.folders(rounds[round_id].plan)  # type: ignore[union-attr]
+                tx.run(
+                    "UPDATE aggregate_shards SET data = ?, reports = reports + ?"
+                    " WHERE round = ? AND shard = ?",
+                    (folder.serialize(shard.accumulators), len(taken), round_id, self.shard),
+                )
+            accepted = sum(len(taken) for taken in folded.values())
+            if accepted:
+                tx.count("reports:accepted", accepted)
+        for round_id, r in rounds.items():
+            if not (isinstance(r, rounds_lib.Round) and r.state == rounds_lib.OPEN):
+                self._shards.pop(round_id, None)  # its shard was merged at its close
+        return due
+
+    def _take(
+        self,
+        tx: sql.Tx,
+        r: rounds_lib.Round,
+        p: _Pending,
+        counts: dict[int, int],
+        due: set[int],
+        folded: dict[int, list[_Pending]],
+        now: float,
+    ) -> bool:
+        """Admits and folds one report in `tx`; True if taken, False for a replay."""
+        if r.kind == rounds_lib.AGGREGATE and r.state == rounds_lib.OPEN and (
+            r.deadline <= now or counts[r.id] >= r.target
+        ):
+            due.add(r.id)  # as if closed: it closes once this transaction commits
+            r = dataclasses.replace(r, state=rounds_lib.CLOSED)
+        if self.rounds.admissible(tx, r, p.client, p.digest):
+            return False
+        folder = self.folders(r.plan)
+        shard = self._shard(tx, r, folder)
+        try:
+            folder.fold_into(shard.accumulators, p.checked)
+        except folding.ReportError:  # rebuilt without it: as committed, plus this batch's
+            shard.accumulators = self._committed(tx, r, folder)
+            for q in folded.get(r.id, []):
+                folder.fold_into(shard.accumulators, q.checked)
+            raise
+        tx.run(
+            "UPDATE assignments SET state = ?, updated = ? WHERE round = ? AND client = ?",
+            (admission.Assignment.REPORTED, now, r.id, p.client),
+        )
+        rounds_lib.record_upload(tx, r.id, p.client, 0, p.digest, p.size, now)
+        folded.setdefault(r.id, []).append(p)
+        counts[r.id] += 1
+        if counts[r.id] >= r.target:
+            due.add(r.id)
+        return True
+
+    def _shard(self, tx: sql.Tx, r: rounds_lib.Round, folder: folding.Folder) -> _Shard:
+        """This process's shard of round `r`, made (with its row) on its first report."""
+        shard = self._shards.get(r.id)
+        if shard is None:
+            shard = _Shard(self._committed(tx, r, folder))
+            self._shards[r.id] = shard
+        return shard
+
+    def _committed(self, tx: sql.Tx, r: rounds_lib.Round, folder: folding.Folder) -> list[Any]:
+        """The shard's accumulators as its row holds them (the row made empty if new)."""
+        row = tx.one(
+            "SELECT data FROM aggregate_shards WHERE round = ? AND shard = ?", (r.id, self.shard)
+        )
+        if row is not None:
+            return folder.accumulators(bytes(row[0]))
+        tx.run(
+            "INSERT INTO aggregate_shards (round, shard, data, reports) VALUES (?, ?, ?, 0)",
+            (r.id, self.shard, folder.empty()),
+        )
+        return folder.accumulators()
