@@ -212,13 +212,30 @@ def slot(
     held = tx.one(
         "SELECT state FROM assignments WHERE round = ? AND client = ?", (r.id, client_id)
     )
-    assignment = None if held is None else str(held[0])
+    return slot_of(r, None if done is None else str(done[0]),
+                   None if held is None else str(held[0]), part, upload)
+
+
+def slot_of(
+    r: Round, accepted: str | None, assignment: str | None, part: str = "",
+    upload: str = "report",
+) -> admission.Slot:
+    """A client's slot in round `r` (as `slot`), from its accepted upload's digest and its
+    assignment's state, read by the caller."""
     still = r.kind == SECURE or assignment == ASSIGNED
     return admission.Slot(
-        owner=f"round {r.id}", part=part, upload=upload,
-        accepted=None if done is None else str(done[0]), assignment=assignment,
-        open=r.state == OPEN and still, state=r.state,
+        owner=f"round {r.id}", part=part, upload=upload, accepted=accepted,
+        assignment=assignment, open=r.state == OPEN and still, state=r.state,
     )
+
+
+def reports_only(r: Round) -> None:
+    """Raises Conflict unless `r` takes reports (a plain round)."""
+    if r.kind != AGGREGATE:
+        raise protocol.Conflict(
+            f"Expected a report for an aggregate round, found round {r.id} of kind "
+            f"'{r.kind}'; take part in its stages instead (GET /v1/rounds/{r.id}/secagg)."
+        )
 
 
 class Rounds:
@@ -456,14 +473,11 @@ class Rounds:
         """Whether this exact report was already accepted (True: nothing to do); raises
         what `accept` would for a report the round cannot take."""
         with self.store.transaction() as tx:
-            return self.admissible(tx, self.round_in(tx, round_id), client_id, digest)
+            return self._admissible(tx, self.round_in(tx, round_id), client_id, digest)
 
-    def admissible(self, tx: sql.Tx, r: Round, client_id: str, digest: str) -> bool:
-        if r.kind != AGGREGATE:
-            raise protocol.Conflict(
-                f"Expected a report for an aggregate round, found round {r.id} of kind "
-                f"'{r.kind}'; take part in its stages instead (GET /v1/rounds/{r.id}/secagg)."
-            )
+    def _admissible(self, tx: sql.Tx, r: Round, client_id: str, digest: str) -> bool:
+        """Whether a report is a replay (see `admission.admit`), read in `tx`."""
+        reports_only(r)
         return admission.admit(slot(tx, r, client_id), digest)
 
     def accept(
@@ -489,7 +503,7 @@ class Rounds:
             if r.kind == AGGREGATE and r.state == OPEN and r.deadline <= now:
                 self._close(tx, r, now)
                 r = self.round_in(tx, round_id)
-            if self.admissible(tx, r, client_id, digest):
+            if self._admissible(tx, r, client_id, digest):
                 return False
             fold_report(tx, r.id, client_id, fold, now)
             record_upload(tx, r.id, client_id, 0, digest, size, now)

@@ -67,6 +67,33 @@ class _Shard:
     accumulators: list[Any]
 
 
+@dataclasses.dataclass
+class _Group:
+    """A batch's reports to one round: the round's row, its count, and what the
+    admission of its clients reads (their accepted digests, their assignments), kept up
+    to date as the batch's reports are taken."""
+
+    round: rounds_lib.Round
+    count: int
+    accepted: dict[str, str]
+    held: dict[str, str]
+    taken: list[_Pending] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def read(cls, tx: sql.Tx, r: rounds_lib.Round, clients: list[str]) -> _Group:
+        marks = ", ".join("?" for _ in clients)
+        accepted = tx.all(
+            f"SELECT client, digest FROM reports WHERE round = ? AND stage = 0 AND client IN ({marks})",
+            (r.id, *clients),
+        )
+        held = tx.all(
+            f"SELECT client, state FROM assignments WHERE round = ? AND client IN ({marks})",
+            (r.id, *clients),
+        )
+        return cls(r, r.reports, {str(c): str(d) for c, d in accepted},
+                   {str(c): str(st) for c, st in held})
+
+
 class ReportShards:
     """Takes plain rounds' reports into this process's shards (see the module docstring).
 
@@ -148,59 +175,62 @@ class ReportShards:
 
     def _commit(self, batch: list[_Pending]) -> set[int]:
         """Takes `batch` in one transaction (see the module docstring); sets each
-        report's result; returns the rounds to close once it is committed."""
+        report's result; returns the rounds to close once it is committed. Its
+        statements are per round, not per report (the writer is the one serial part)."""
         now = self.store.clock()
         due: set[int] = set()
-        folded: dict[int, list[_Pending]] = {}
         with self.store.transaction(write=True) as tx:
-            rounds: dict[int, rounds_lib.Round | protocol.ProtocolError] = {}
+            groups: dict[int, _Group | protocol.ProtocolError] = {}
             for round_id in sorted({p.round for p in batch}):  # one lock order: no deadlock
                 try:
-                    rounds[round_id] = self.rounds.round_for_reports(tx, round_id)
+                    r = self.rounds.round_for_reports(tx, round_id)
                 except protocol.ProtocolError as e:
-                    rounds[round_id] = e
-            counts = {i: r.reports for i, r in rounds.items() if isinstance(r, rounds_lib.Round)}
+                    groups[round_id] = e
+                    continue
+                groups[round_id] = _Group.read(tx, r, [p.client for p in batch
+                                                       if p.round == round_id])
             for p in batch:
-                r = rounds[p.round]
+                group = groups[p.round]
                 try:
-                    if isinstance(r, BaseException):
-                        raise r
-                    p.result = self._take(tx, r, p, counts, due, folded, now)
+                    if isinstance(group, BaseException):
+                        raise group
+                    p.result = self._take(tx, group, p, due, now)
                 except (protocol.ProtocolError, folding.ReportError) as e:
                     p.result = e
-            for round_id, taken in folded.items():
-                shard = self._shards[round_id]
-                folder = self.folders(rounds[round_id].plan)  # type: ignore[union-attr]
-                tx.run(
-                    "UPDATE aggregate_shards SET data = ?, reports = reports + ?"
-                    " WHERE round = ? AND shard = ?",
-                    (folder.serialize(shard.accumulators), len(taken), round_id, self.shard),
-                )
-            accepted = sum(len(taken) for taken in folded.values())
-            if accepted:
-                tx.count("reports:accepted", accepted)
-        for round_id, r in rounds.items():
-            if not (isinstance(r, rounds_lib.Round) and r.state == rounds_lib.OPEN):
+            taken = [(g, p) for g in groups.values() if isinstance(g, _Group) for p in g.taken]
+            tx.many(
+                "UPDATE assignments SET state = ?, updated = ? WHERE round = ? AND client = ?",
+                [(admission.Assignment.REPORTED, now, g.round.id, p.client) for g, p in taken],
+            )
+            tx.many(
+                "INSERT INTO reports (round, client, stage, digest, size, accepted)"
+                " VALUES (?, ?, 0, ?, ?, ?)",
+                [(g.round.id, p.client, p.digest, p.size, now) for g, p in taken],
+            )
+            for g in groups.values():
+                if isinstance(g, _Group) and g.taken:
+                    tx.run(
+                        "UPDATE aggregate_shards SET data = ?, reports = reports + ?"
+                        " WHERE round = ? AND shard = ?",
+                        (self.folders(g.round.plan).serialize(self._shards[g.round.id].accumulators),
+                         len(g.taken), g.round.id, self.shard),
+                    )
+            if taken:
+                tx.count("reports:accepted", len(taken))
+        for round_id, g in groups.items():
+            if not (isinstance(g, _Group) and g.round.state == rounds_lib.OPEN):
                 self._shards.pop(round_id, None)  # its shard was merged at its close
         return due
 
-    def _take(
-        self,
-        tx: sql.Tx,
-        r: rounds_lib.Round,
-        p: _Pending,
-        counts: dict[int, int],
-        due: set[int],
-        folded: dict[int, list[_Pending]],
-        now: float,
-    ) -> bool:
-        """Admits and folds one report in `tx`; True if taken, False for a replay."""
-        if r.kind == rounds_lib.AGGREGATE and r.state == rounds_lib.OPEN and (
-            r.deadline <= now or counts[r.id] >= r.target
-        ):
+    def _take(self, tx: sql.Tx, g: _Group, p: _Pending, due: set[int], now: float) -> bool:
+        """Admits and folds one report; True if taken, False for a replay."""
+        r = g.round
+        rounds_lib.reports_only(r)
+        if r.state == rounds_lib.OPEN and (r.deadline <= now or g.count >= r.target):
             due.add(r.id)  # as if closed: it closes once this transaction commits
             r = dataclasses.replace(r, state=rounds_lib.CLOSED)
-        if self.rounds.admissible(tx, r, p.client, p.digest):
+        slot = rounds_lib.slot_of(r, g.accepted.get(p.client), g.held.get(p.client))
+        if admission.admit(slot, p.digest):
             return False
         folder = self.folders(r.plan)
         shard = self._shard(tx, r, folder)
@@ -208,17 +238,14 @@ class ReportShards:
             folder.fold_into(shard.accumulators, p.checked)
         except folding.ReportError:  # rebuilt without it: as committed, plus this batch's
             shard.accumulators = self._committed(tx, r, folder)
-            for q in folded.get(r.id, []):
+            for q in g.taken:
                 folder.fold_into(shard.accumulators, q.checked)
             raise
-        tx.run(
-            "UPDATE assignments SET state = ?, updated = ? WHERE round = ? AND client = ?",
-            (admission.Assignment.REPORTED, now, r.id, p.client),
-        )
-        rounds_lib.record_upload(tx, r.id, p.client, 0, p.digest, p.size, now)
-        folded.setdefault(r.id, []).append(p)
-        counts[r.id] += 1
-        if counts[r.id] >= r.target:
+        g.accepted[p.client] = p.digest
+        g.held[p.client] = admission.Assignment.REPORTED
+        g.taken.append(p)
+        g.count += 1
+        if g.count >= r.target:
             due.add(r.id)
         return True
 

@@ -118,6 +118,11 @@ class Tx:
     def all(self, query: str, params: tuple[Any, ...] = ()) -> list[Any]:
         return list(self.conn.execute(self.dialect.sql(query), params).fetchall())
 
+    def many(self, query: str, rows: list[tuple[Any, ...]]) -> None:
+        """`run` once per row of parameters, in one call (one round trip on PostgreSQL)."""
+        if rows:
+            self.conn.cursor().executemany(self.dialect.sql(query), rows)
+
     def count(self, name: str, n: int = 1) -> None:
         self.run(
             "INSERT INTO counters (name, value) VALUES (?, ?) ON CONFLICT (name) DO UPDATE"
