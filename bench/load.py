@@ -283,14 +283,18 @@ def measure(db: str, n_servers: int, size: str, m: int, concurrency: int, procs:
     }
 
 
+def _rate(x: float) -> str:
+    return f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| db | servers | report | reports/s | MB/s | echo reports/s | echo MB/s | ratio "
              "| server CPU ms/report | load CPU s (fedlang / echo) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['db']} | {r['servers']} | {r['size']} | {r['reports_per_s']:.0f} | "
-            f"{r['mb_per_s']:.1f} | {r['echo_reports_per_s']:.0f} | {r['echo_mb_per_s']:.1f} | "
+            f"| {r['db']} | {r['servers']} | {r['size']} | {_rate(r['reports_per_s'])} | "
+            f"{r['mb_per_s']:.1f} | {_rate(r['echo_reports_per_s'])} | {r['echo_mb_per_s']:.1f} | "
             f"{r['ratio']:.2f} | {r['server_cpu_ms_per_report']:.2f} | "
             f"{r['load_cpu_s']:.1f} / {r['echo_load_cpu_s']:.1f} |")
     return "\n".join(lines)

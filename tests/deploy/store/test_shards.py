@@ -154,3 +154,19 @@ def test_at_the_deadline_a_round_with_shards_closes_with_them(
     row, aggregate = rounds.aggregate(r.id)
     assert (row.state, row.reports, row.dropped) == ("closed", 2, 1)
     np.testing.assert_allclose(folder.results(aggregate)[0], [1, 1, 0])
+
+
+def test_shards_whose_sum_overflows_fail_the_round_with_the_reason(
+    rounds, store, folder, token, sum_round
+):
+    r = open_round(rounds, folder, target=2)
+    a, b = assigned(rounds, store, token, 2)
+    first, second = shards_lib.ReportShards(rounds), shards_lib.ReportShards(rounds)
+    try:  # each process's shard is finite; their sum is not
+        assert take(first, folder, r.id, a, report(sum_round, [3e38, 0, 0]))
+        assert take(second, folder, r.id, b, report(sum_round, [3e38, 0, 0]))
+    finally:
+        first.close()
+        second.close()
+    row = rounds.round(r.id)
+    assert row.state == "failed" and "overflow when merged" in row.failure
