@@ -114,7 +114,11 @@ def _load_process(targets: list[tuple[str, int, str, str]], body_path: str, conc
     ready.set()
     go.wait()
     t0, c0 = time.time(), time.process_time()
-    ok = asyncio.run(_upload_all(targets, body, concurrency))
+    try:
+        ok = asyncio.run(_upload_all(targets, body, concurrency))
+    except Exception as e:  # told to the parent, which fails the run with it
+        out.put({"error": f"{type(e).__name__}: {e}"})
+        return
     out.put({"start": t0, "end": time.time(), "cpu": time.process_time() - c0, "ok": ok})
 
 
@@ -141,12 +145,15 @@ def run_load(targets: list[tuple[str, int, str, str]], body: bytes, concurrency:
             if not e.wait(120):
                 raise RuntimeError("a load process did not start")
         go.set()
-        results = [out.get(timeout=1800) for _ in workers]
+        results = [out.get(timeout=600) for _ in workers]
     finally:
         for w in workers:
             w.join(timeout=30)
             if w.is_alive():
                 w.kill()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise RuntimeError(f"a load process failed: {errors[0]}")
     if sum(r["ok"] for r in results) != len(targets):
         raise RuntimeError("not every upload was accepted")
     return {"seconds": max(r["end"] for r in results) - min(r["start"] for r in results),
