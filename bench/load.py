@@ -4,8 +4,8 @@ same minutes.
 
 For each database (SQLite, PostgreSQL in a throwaway cluster), each number of server
 processes (1, 2: several `fedlang serve` on one PostgreSQL database, on their own ports)
-and each report size (8 KB, 80 KB, 800 KB, 8 MB: float32 updates of 10^3 .. 10^6
-values), it opens one round of cohort `m`, enrolls and checks in `m` clients (not timed),
+and each report size (8 KB, 80 KB, 800 KB, 8 MB: the float64 partial sums of float32
+updates of 10^3 .. 10^6 values), it opens one round of cohort `m`, enrolls and checks in `m` clients (not timed),
 then times `m` report uploads from `--procs` load processes (each an asyncio loop of
 plain HTTP/1.1 keep-alive connections over raw sockets, no HTTP library: the cheapest
 client Python has), spread evenly over the server processes; then the same uploads of

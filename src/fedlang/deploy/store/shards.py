@@ -104,7 +104,8 @@ class ReportShards:
 
     def __init__(self, rounds: rounds_lib.Rounds, max_batch: int = 256):
         if rounds.folders is None:
-            raise ValueError("Expected Rounds made with its folders, found none.")
+            raise ValueError("Expected Rounds made with its folders, found none; make it "
+                             "Rounds(store, folders), as server.state does.")
         self.rounds = rounds
         self.store = rounds.store
         self.folders: Callable[[str], folding.Folder] = rounds.folders
