@@ -24,7 +24,9 @@ the same reports with the same guarantees at a fraction of the cost:
   its shards' (`rounds._ROUND_FIELDS`). When the count reaches the target (or the
   deadline passes) the writer closes the round after its commit (`Rounds.close_if_done`,
   the row locked `FOR UPDATE` only then), which merges every shard into the round's
-  aggregate. A restarted process starts new shards; the old ones are merged with the
+  aggregate. Two processes committing at once each count without the other's reports,
+  so a writer whose group took reports reads the count again once committed: the later
+  one sees both. A restarted process starts new shards; the old ones are merged with the
   rest. A report the writer sees after the round reached its target is refused 410 as
   after its close. (Several processes may each commit a group just as the target is
   reached: the round then holds a few more reports than its target, each from a client
@@ -161,22 +163,24 @@ class ReportShards:
                 batch = self._waiting[: self.max_batch]
                 del self._waiting[: self.max_batch]
             try:
-                due = self._commit(batch)
+                close, check = self._commit(batch)
             except BaseException as e:  # the transaction is undone: no report was taken
                 self._shards.clear()  # rebuilt from their committed rows
                 for p in batch:
                     p.result = e
-                due = set()
-            for round_id in sorted(due):  # before the answers: a client told its report
+                close, check = set(), set()
+            for round_id in sorted(close | check):  # before the answers: a client told its report
                 # (a close that fails now is made by the next report or the deadline tick)
                 with contextlib.suppress(Exception):  # closed the round finds it closed
-                    self.rounds.close_if_done(round_id)
+                    if round_id in close or self._reached(round_id):
+                        self.rounds.close_if_done(round_id)
             for p in batch:
                 p.done.set()
 
-    def _commit(self, batch: list[_Pending]) -> set[int]:
+    def _commit(self, batch: list[_Pending]) -> tuple[set[int], set[int]]:
         """Takes `batch` in one transaction (see the module docstring); sets each
-        report's result; returns the rounds to close once it is committed. Its
+        report's result; returns the rounds to close once it is committed, and those to
+        close if they reached their target with others' reports (`_reached`). Its
         statements are per round, not per report (the writer is the one serial part)."""
         now = self.store.clock()
         due: set[int] = set()
@@ -221,7 +225,16 @@ class ReportShards:
         for round_id, g in groups.items():
             if not (isinstance(g, _Group) and g.round.state == rounds_lib.OPEN):
                 self._shards.pop(round_id, None)  # its shard was merged at its close
-        return due
+        took = {g.round.id for g in groups.values() if isinstance(g, _Group) and g.taken}
+        return due, took - due
+
+    def _reached(self, round_id: int) -> bool:
+        """Whether a round's committed count reached its target. Another process's group
+        may commit while this one's does, each seeing the other's count without its
+        reports: each reads again once committed, and the later one sees both."""
+        with self.store.transaction() as tx:
+            r = self.rounds.round_in(tx, round_id)
+        return r.state == rounds_lib.OPEN and r.reports >= r.target
 
     def _take(self, tx: sql.Tx, g: _Group, p: _Pending, due: set[int], now: float) -> bool:
         """Admits and folds one report; True if taken, False for a replay."""
