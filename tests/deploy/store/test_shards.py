@@ -170,3 +170,36 @@ def test_shards_whose_sum_overflows_fail_the_round_with_the_reason(
         second.close()
     row = rounds.round(r.id)
     assert row.state == "failed" and "overflow when merged" in row.failure
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # SQLite: one writer at a time
+def test_a_round_closes_when_two_processes_commit_its_last_reports_at_once(
+    rounds, store, folder, token, sum_round, monkeypatch
+):
+    r = open_round(rounds, folder, target=2)
+    a, b = assigned(rounds, store, token, 2)
+    barrier, read = threading.Barrier(2), rounds.round_for_reports
+
+    def read_together(tx, round_id):  # both groups count before either commits
+        row = read(tx, round_id)
+        barrier.wait(30)
+        return row
+
+    monkeypatch.setattr(rounds, "round_for_reports", read_together)
+    first, second = shards_lib.ReportShards(rounds), shards_lib.ReportShards(rounds)
+    results = []
+    threads = [threading.Thread(target=lambda s, c, v: results.append(
+        take(s, folder, r.id, c, report(sum_round, v))), args=args)
+        for args in ((first, a, [1, 0, 0]), (second, b, [0, 1, 0]))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        first.close()
+        second.close()
+    assert results == [True, True]
+    row, aggregate = rounds.aggregate(r.id)  # neither group saw the other's report
+    assert (row.state, row.reports) == ("closed", 2)
+    np.testing.assert_allclose(folder.results(aggregate)[0], [1, 1, 0])
