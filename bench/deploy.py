@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import fastapi
@@ -38,6 +39,7 @@ from fedlang.core import context
 from fedlang.deploy.plans import execution
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"  # the fedlang the server processes run (bench/load.py --src)
 CONCURRENCY = 16
 
 
@@ -48,13 +50,14 @@ def _port() -> int:
 
 
 @contextlib.contextmanager
-def server_process(db: pathlib.Path) -> Any:
-    """`fedlang serve` on a fresh port; yields (url, pid)."""
+def server_process(db: pathlib.Path | str, extra: Sequence[str] = ()) -> Any:
+    """`fedlang serve` on a fresh port (database: a path or URL; `extra` arguments);
+    yields (url, pid)."""
     port = _port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "FEDLANG_ADMIN_TOKEN": "bench"}
+    env = {**os.environ, "PYTHONPATH": str(SRC), "FEDLANG_ADMIN_TOKEN": "bench"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "fedlang", "serve", "--db", str(db), "--port", str(port),
-         "--min-retry", "0.05"],
+         "--min-retry", "0.05", *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
     )
     try:

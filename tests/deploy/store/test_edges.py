@@ -41,7 +41,7 @@ def forward(edges, folder, round_id, edge, body):
     checked = folder.check_partial(body)
     return edges.accept(round_id, edge, "pop", protocol.blob_hash(body), len(body),
                         checked.reports, checked.dropped,
-                        lambda agg: folder.merge(agg, checked.value))
+                        lambda agg: folder.merge_partial(agg, checked.value))
 
 
 def test_an_edge_token_is_kept_hashed_and_can_be_revoked(edges, store, token):

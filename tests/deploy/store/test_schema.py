@@ -184,3 +184,26 @@ def test_a_database_of_a_newer_or_unknown_version_is_refused_unchanged(db_url, v
 
 def test_every_version_before_the_current_one_has_a_migration():
     assert sorted(schema.MIGRATIONS) == list(range(1, schema.VERSION))
+
+
+def test_a_version_5_database_opens_and_its_open_round_takes_sharded_reports(db_url):
+    # a version 5 database: today's tables but `aggregate_shards` (version 7's), one
+    # round open with a report folded the old way
+    store_lib.Store(db_url).close()
+    with raw(db_url) as tx:
+        tx.run("DROP TABLE aggregate_shards")
+        tx.run("UPDATE meta SET value = ? WHERE key = 'schema'", (b"5",))
+        tx.run("INSERT INTO rounds (id, population, kind, state, plan, broadcast, target,"
+               " capacity, quorum, deadline, created, assigned, reports) VALUES (1, 'pop',"
+               " 'aggregate', 'open', 'p', 'b', 2, 2, 2, 9e9, 1.0, 2, 1)")
+    store = store_lib.Store(db_url)
+    try:
+        assert stored_version(db_url) == str(schema.VERSION).encode()
+        rounds = rounds_lib.Rounds(store)
+        assert rounds.round(1).reports == 1  # its row's count, and no shards yet
+        with store.transaction(write=True) as tx:
+            tx.run("INSERT INTO aggregate_shards (round, shard, data, reports)"
+                   " VALUES (1, 'a', ?, 1)", (b"x",))
+        assert rounds.round(1).reports == 2
+    finally:
+        store.close()

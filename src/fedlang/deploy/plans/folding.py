@@ -116,6 +116,21 @@ class Folder:
             the report is refused, and the aggregate stays as it was.
         """
         accumulators = self._accumulators(aggregate)
+        self.fold_into(accumulators, report)
+        return self._serialize(accumulators)
+
+    def accumulators(self, aggregate: bytes | None = None) -> list[Any]:
+        """A running aggregate to fold reports into in memory (`fold_into`): empty, or
+        holding the stored `aggregate`."""
+        return self._accumulators(aggregate)
+
+    def fold_into(self, accumulators: list[Any], report: Any) -> None:
+        """Folds one checked plain report into a running aggregate, in place.
+
+        Raises:
+          ReportError: `overflow`, as `fold`; the report is refused and `accumulators`
+            may hold it in part: the caller rebuilds them from what it kept.
+        """
         for i, partial in zip(self.plain, report):
             acc = accumulators[i]
             with np.errstate(all="ignore"):  # checked just below
@@ -128,7 +143,37 @@ class Folder:
                     "reporting.",
                     reason="overflow",
                 )
+
+    def serialize(self, accumulators: Sequence[Any]) -> bytes:
+        """A running aggregate's bytes, as the store keeps them."""
         return self._serialize(accumulators)
+
+    def merge(self, aggregates: Sequence[bytes]) -> bytes:
+        """One aggregate of several partial aggregates of a round (a round's shards).
+
+        Raises:
+          ReportError: `overflow`, if their sum overflows to infinity.
+        """
+        accumulators = self._accumulators()
+        for data in aggregates:
+            self._merge_into(accumulators, self._decode(data, self.aggregate_type, None, "an aggregate"))
+        return self._serialize(accumulators)
+
+    def _merge_into(self, accumulators: Sequence[Any], value: Sequence[Any]) -> None:
+        """Merges one aggregate's value (internal form) into `accumulators`.
+
+        Raises:
+          ReportError: `overflow`, if an accumulator would overflow to infinity.
+        """
+        for i, (acc, partial) in enumerate(zip(accumulators, value)):
+            with np.errstate(all="ignore"):  # checked just below
+                acc.merge(partial)
+            if not _within_range(acc, self.aggregate_type.types[i]):
+                raise ReportError(
+                    f"Expected partial aggregates whose sum stays finite, found aggregation "
+                    f"{i} ({self.plan.aggregations[i].uri}) overflowing to infinity.",
+                    reason="overflow",
+                )
 
     def fold_secure(self, aggregate: bytes, sums: Sequence[Any], num_clients: int) -> bytes:
         """The aggregate with the secure aggregations' sums over `num_clients` clients
@@ -181,7 +226,7 @@ class Folder:
             self.partial_type,
         )
 
-    def merge(self, aggregate: bytes, partial: Any) -> bytes:
+    def merge_partial(self, aggregate: bytes, partial: Any) -> bytes:
         """The aggregate with another aggregate of the same round merged in (`partial`,
         checked by `check_partial`: an edge's clients folded together). Accumulators
         hold sums and counts, so merging two is what folding their reports one by one
@@ -192,16 +237,7 @@ class Folder:
             aggregate stays as it was).
         """
         accumulators = self._accumulators(aggregate)
-        for i, (acc, p) in enumerate(zip(accumulators, partial)):
-            with np.errstate(all="ignore"):  # checked just below
-                acc.merge(p)
-            if not _within_range(acc, self.aggregate_type.types[i]):
-                raise ReportError(
-                    f"Expected a partial aggregate the aggregate of aggregation {i} "
-                    f"({self.plan.aggregations[i].uri}) stays finite with, found one that "
-                    "makes it overflow to infinity.",
-                    reason="overflow",
-                )
+        self._merge_into(accumulators, partial)
         return self._serialize(accumulators)
 
     def results(self, aggregate: bytes) -> list[Any]:

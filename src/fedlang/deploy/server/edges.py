@@ -90,7 +90,7 @@ def edge(server: state_lib.ServerState, auth: security.HTTPAuthorizationCredenti
 
 class PartialUploads:
     """An edge's partial aggregates, as the intake takes them: one per edge and round
-    it joined, checked (`Folder.check_partial`) and merged (`Folder.merge`) by the
+    it joined, checked (`Folder.check_partial`) and merged (`Folder.merge_partial`) by the
     round's folder."""
 
     def __init__(self, server: state_lib.ServerState):
@@ -122,7 +122,7 @@ class PartialUploads:
         return self.server.edges.accept(
             target.id, upload.client, upload.population, upload.digest, len(upload.body),
             partial.reports, partial.dropped,
-            lambda aggregate: folder.merge(aggregate, partial.value),
+            lambda aggregate: folder.merge_partial(aggregate, partial.value),
         )
 
     def count_refusal(self, reason: str, target: rounds_lib.Round) -> None:

@@ -16,8 +16,10 @@ steps (`take`):
    bounds the plan declares (`plans.bounds`: per leaf a range, L2 norms of groups of
    leaves; 400 `out_of_bounds` naming the leaf and the bound), here for every mode;
 6. accept it in one transaction, which admits it again with the task locked and folds
-   (a round) or stores (a session) it; a report that would make a round's aggregate
-   overflow to infinity is refused there (400 `overflow`), the transaction undone;
+   (a round: with the other reports waiting, into this process's shard of its aggregate,
+   `store.shards`) or stores (a session) it, answering only once it is committed; a
+   report that would make a round's aggregate overflow to infinity is refused there (400
+   `overflow`), and nothing of it is kept;
 
 and every refusal from step 3 on is counted (`refused:REASON` in `GET /v1/status`, and
 in the task: `Uploads.count_refusal`).

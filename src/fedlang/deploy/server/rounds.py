@@ -23,7 +23,7 @@ router = fastapi.APIRouter(prefix=protocol.API)
 
 class ReportUploads:
     """A plain round's reports, as the intake takes them: one per assigned client, checked
-    and folded by the round's `folding.Folder`."""
+    and folded by the round's `folding.Folder` (`shards.ReportShards`)."""
 
     def __init__(self, server: state_lib.ServerState):
         self.server = server
@@ -45,10 +45,9 @@ class ReportUploads:
         return folder.bounds, folder.leaves(upload.checked)
 
     def accept(self, target: rounds_lib.Round, upload: intake.Upload) -> bool:
-        folder = self.server.verified.folder(target.plan)
-        return self.server.rounds.accept(
-            target.id, upload.client, upload.digest, len(upload.body),
-            lambda aggregate: folder.fold(aggregate, upload.checked),
+        # folded in this process's shard of the round, committed with others waiting
+        return self.server.shards.accept(
+            target.id, upload.client, upload.digest, len(upload.body), upload.checked
         )
 
     def count_refusal(self, reason: str, target: rounds_lib.Round) -> None:

@@ -429,6 +429,7 @@ class Server:
         with contextlib.suppress(OSError):
             self._sock.close()
         self._close_metrics()
+        self.app_state.close()
         self.store.close()
         self._release()
 

@@ -15,6 +15,7 @@ from fedlang.deploy.store import edges as edges_lib
 from fedlang.deploy.store import rounds as rounds_lib
 from fedlang.deploy.store import secure as secure_lib
 from fedlang.deploy.store import sessions as sessions_lib
+from fedlang.deploy.store import shards as shards_lib
 from fedlang.deploy.store import store as store_lib
 
 VERSION = "0.1.0"
@@ -51,7 +52,8 @@ class ServerState:
         self.max_blob_bytes = max_blob_bytes
         # Each plan is read, verified and parsed once for every upload checked against it.
         self.verified = cache.VerifiedPlans(store.get_blob, self.public_key)
-        self.rounds = rounds_lib.Rounds(store)
+        self.rounds = rounds_lib.Rounds(store, self.verified.folder)
+        self.shards = shards_lib.ReportShards(self.rounds)  # plain rounds' reports
         self.secure = secure_lib.SecureRounds(self.rounds, self.verified.folder)
         self.sessions = sessions_lib.Sessions(store)  # buffered (FedBuff) sessions
         self.telemetry = telemetry_lib.Telemetry(store)  # /metrics, rates, request logs
@@ -60,6 +62,10 @@ class ServerState:
             client_rate, "client")
         self.enroll_buckets = None if enroll_rate is None else ratelimit.Buckets(
             enroll_rate, "address")
+
+    def close(self) -> None:
+        """Commits the reports waiting for the writer, and stops it."""
+        self.shards.close()
 
     def close_due(self) -> None:
         """Closes the rounds, and the secure rounds' stages, whose time is up."""

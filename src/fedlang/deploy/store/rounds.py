@@ -15,6 +15,12 @@ records the report's digest and replaces the round's aggregate with the report f
 either accepted a report (and its aggregate holds it) or not, and a replayed report
 changes nothing. A round closes at its target, or at its deadline with at least its
 quorum of reports; below the quorum it fails.
+
+The server takes plain rounds' reports faster than that (`shards.ReportShards`): each
+server process folds them in memory into its own *shard* of the round's aggregate, many
+reports to a transaction, and commits the shard's row (`aggregate_shards`) with their
+digests; a round's `reports` is its row's count plus its shards'. Closing a round
+merges its shards into its aggregate (`_close`), with the round's row locked.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fedlang.deploy import protocol
+from fedlang.deploy.plans import folding
 from fedlang.deploy.store import admission, sql
 from fedlang.deploy.store import store as store_lib
 
@@ -34,7 +41,8 @@ ASSIGNED = admission.Assignment.ASSIGNED
 
 _ROUND_FIELDS = (
     "id, population, kind, state, plan, broadcast, target, capacity, quorum, deadline, created,"
-    " closed, assigned, reports, late, dropped, refused, failure,"
+    " closed, assigned, CAST(reports + COALESCE((SELECT SUM(a.reports) FROM aggregate_shards a"
+    " WHERE a.round = rounds.id), 0) AS BIGINT), late, dropped, refused, failure,"
     " COALESCE((SELECT s.stage FROM secure_rounds s WHERE s.round = rounds.id), 0)"
 )
 
@@ -221,20 +229,46 @@ def slot(
     held = tx.one(
         "SELECT state FROM assignments WHERE round = ? AND client = ?", (r.id, client_id)
     )
-    assignment = None if held is None else str(held[0])
+    return slot_of(r, None if done is None else str(done[0]),
+                   None if held is None else str(held[0]), part, upload)
+
+
+def slot_of(
+    r: Round, accepted: str | None, assignment: str | None, part: str = "",
+    upload: str = "report",
+) -> admission.Slot:
+    """A client's slot in round `r` (as `slot`), from its accepted upload's digest and its
+    assignment's state, read by the caller."""
     still = r.kind == SECURE or assignment == ASSIGNED
     return admission.Slot(
-        owner=f"round {r.id}", part=part, upload=upload,
-        accepted=None if done is None else str(done[0]), assignment=assignment,
-        open=r.state == OPEN and still, state=r.state,
+        owner=f"round {r.id}", part=part, upload=upload, accepted=accepted,
+        assignment=assignment, open=r.state == OPEN and still, state=r.state,
     )
 
 
-class Rounds:
-    """The rounds of a task store (see the module docstring)."""
+def reports_only(r: Round) -> None:
+    """Raises Conflict unless `r` takes reports (a plain round)."""
+    if r.kind != AGGREGATE:
+        raise protocol.Conflict(
+            f"Expected a report for an aggregate round, found round {r.id} of kind "
+            f"'{r.kind}'; take part in its stages instead (GET /v1/rounds/{r.id}/secagg)."
+        )
 
-    def __init__(self, store: store_lib.Store):
+
+class Rounds:
+    """The rounds of a task store (see the module docstring).
+
+    Args:
+      store: the task store.
+      folders: a round's `Folder` by its signed plan's hash, to merge its shards at close
+        (needed once a round has shards: `shards.ReportShards` writes them).
+    """
+
+    def __init__(
+        self, store: store_lib.Store, folders: Callable[[str], folding.Folder] | None = None
+    ):
         self.store = store
+        self.folders = folders
 
     def create(
         self,
@@ -311,9 +345,13 @@ class Rounds:
         return r, data
 
     def _close(self, tx: sql.Tx, r: Round, now: float) -> None:
-        """Closes (or fails) an open round whose target is met or whose deadline passed."""
-        if r.reports >= r.target or r.reports >= r.quorum:
-            state, failure = CLOSED, ""
+        """Closes (or fails) an open round whose target is met or whose deadline passed
+        (its row locked in `tx`), merging its shards into its aggregate first."""
+        failure = self._merge_shards(tx, r)
+        if failure:
+            state = FAILED
+        elif r.reports >= r.target or r.reports >= r.quorum:
+            state = CLOSED
         else:
             state = FAILED
             failure = (
@@ -333,14 +371,66 @@ class Rounds:
         with self.store.transaction(write=True) as tx:
             r = self.round_in(tx, round_id, lock=True)
             if r.state == OPEN:
+                self._merge_shards(tx, r)  # its processes' shards, so none is left behind
                 end_round(tx, r.id, FAILED, failure, self.store.clock())
             return self.round_in(tx, round_id)
-
 
     def close_in(self, tx: sql.Tx, r: Round, now: float) -> None:
         """Closes (or fails) open round `r`, read locked in `tx`, whose target is met or
         whose deadline passed (an edge's partial met it: `edges.py`)."""
         self._close(tx, r, now)
+
+    def _merge_shards(self, tx: sql.Tx, r: Round) -> str:
+        """Folds the round's shards into its aggregate and its count, and deletes them;
+        returns why the round fails ('' if it does not: their sum overflowing fails it)."""
+        rows = tx.all("SELECT data, reports FROM aggregate_shards WHERE round = ?", (r.id,))
+        if not rows:
+            return ""
+        if self.folders is None:
+            raise RuntimeError(
+                f"Expected the rounds' folders to merge round {r.id}'s shards, found none; "
+                "make Rounds(store, folders) as the server does."
+            )
+        aggregate = bytes(tx.one("SELECT data FROM aggregates WHERE round = ?", (r.id,))[0])
+        count = sum(int(row[1]) for row in rows)
+        failure = ""
+        try:
+            merged = self.folders(r.plan).merge([aggregate, *(bytes(row[0]) for row in rows)])
+        except folding.ReportError as e:
+            merged = aggregate
+            failure = (f"Round {r.id} failed: the partial aggregates of its server processes "
+                       f"overflow when merged ({e}); clients must clip their values further.")
+        tx.run(
+            "UPDATE aggregates SET data = ?, reports = reports + ? WHERE round = ?",
+            (merged, count, r.id),
+        )
+        tx.run("UPDATE rounds SET reports = reports + ? WHERE id = ?", (count, r.id))
+        tx.run("DELETE FROM aggregate_shards WHERE round = ?", (r.id,))
+        return failure
+
+    def close_if_done(self, round_id: int) -> None:
+        """Closes an open plain round whose shards reached its target or whose deadline
+        passed (its row locked only now, for the close)."""
+        now = self.store.clock()
+        with self.store.transaction(write=True) as tx:
+            r = self.round_in(tx, round_id, lock=True)
+            if r.kind == AGGREGATE and r.state == OPEN and (
+                r.reports >= r.target or r.deadline <= now
+            ):
+                self._close(tx, r, now)
+
+    def round_for_reports(self, tx: sql.Tx, round_id: int) -> Round:
+        """A round's row, locked in `tx` only against its close (and deletion): on
+        PostgreSQL, transactions taking reports of one round go on in parallel.
+
+        Raises:
+          NotFound: no such round.
+        """
+        row = tx.one(f"SELECT {_ROUND_FIELDS} FROM rounds WHERE id = ?" + tx.dialect.share_row,
+                     (round_id,))
+        if row is None:
+            raise protocol.NotFound(f"Expected an existing round id, found {round_id}.")
+        return _round_of(row)
 
     def close_due(self) -> int:
         """Closes or fails the open plain rounds whose deadline passed; returns how many.
@@ -395,6 +485,14 @@ class Rounds:
             )
             for (round_id,) in candidates:
                 r = self.round_in(tx, round_id, lock=True)
+                # the same client checking in at another process just now (PostgreSQL)
+                # was assigned while this one waited for the lock
+                mine = tx.one("SELECT state FROM assignments WHERE round = ? AND client = ?",
+                              (r.id, client_id))
+                if mine is not None:
+                    if mine[0] == ASSIGNED and r.state == OPEN:
+                        return Task(r.id, r.plan, r.broadcast, r.deadline, r.kind)
+                    continue
                 if r.state != OPEN or r.assigned >= r.capacity:
                     continue
                 tx.run(
@@ -417,11 +515,8 @@ class Rounds:
             return self._admissible(tx, self.round_in(tx, round_id), client_id, digest)
 
     def _admissible(self, tx: sql.Tx, r: Round, client_id: str, digest: str) -> bool:
-        if r.kind != AGGREGATE:
-            raise protocol.Conflict(
-                f"Expected a report for an aggregate round, found round {r.id} of kind "
-                f"'{r.kind}'; take part in its stages instead (GET /v1/rounds/{r.id}/secagg)."
-            )
+        """Whether a report is a replay (see `admission.admit`), read in `tx`."""
+        reports_only(r)
         return admission.admit(slot(tx, r, client_id), digest)
 
     def accept(

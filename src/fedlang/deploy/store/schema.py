@@ -59,6 +59,11 @@ TABLES = [
     " accepted {real} NOT NULL, PRIMARY KEY (round, client, stage))",
     "CREATE TABLE IF NOT EXISTS aggregates (round {int} PRIMARY KEY, data {blob} NOT NULL,"
     " reports {int} NOT NULL)",
+    # A plain round's reports folded in memory by each server process (shards.py): one
+    # row per round and process (`shard`), its partial aggregate and report count as of
+    # its last commit; merged into `aggregates` when the round closes.
+    "CREATE TABLE IF NOT EXISTS aggregate_shards (round {int} NOT NULL, shard TEXT NOT NULL,"
+    " data {blob} NOT NULL, reports {int} NOT NULL, PRIMARY KEY (round, shard))",
     # Secure rounds (secure.py): the SecAgg+ server state and each stage's requests.
     "CREATE TABLE IF NOT EXISTS secure_rounds (round {int} PRIMARY KEY, stage {int} NOT NULL,"
     " stage_timeout {real} NOT NULL, stage_deadline {real} NOT NULL,"
@@ -132,7 +137,8 @@ MIGRATIONS: dict[int, list[str]] = {
     4: [],
     # 5 -> 6: released metrics and refusals by task (`released_metrics`, `task_refusals`).
     5: [],
-    # 6 -> 7: (scale-fold's tables, merged next)
+    # 6 -> 7: each server process's partial aggregates (`aggregate_shards`, created as
+    # any missing table).
     6: [],
     # 7 -> 8: edge aggregators (`edges`, `edge_shares`, `upstream_rounds`, created as any
     # missing table).

@@ -16,6 +16,9 @@ class Dialect:
     name = ""
     types = {"blob": "BLOB", "int": "INTEGER", "real": "REAL"}
     lock_row = ""  # appended to a SELECT of the row a write transaction will change
+    # appended to a SELECT of a row that must not change (or go) while a transaction
+    # writes rows that refer to it; other such transactions go on in parallel
+    share_row = ""
 
     def connect(self) -> Any:
         raise NotImplementedError
@@ -62,6 +65,7 @@ class Postgres(Dialect):
     name = "postgresql"
     types = {"blob": "BYTEA", "int": "BIGINT", "real": "DOUBLE PRECISION"}
     lock_row = " FOR UPDATE"
+    share_row = " FOR KEY SHARE"
 
     def __init__(self, url: str):
         self.url = url
@@ -113,6 +117,11 @@ class Tx:
 
     def all(self, query: str, params: tuple[Any, ...] = ()) -> list[Any]:
         return list(self.conn.execute(self.dialect.sql(query), params).fetchall())
+
+    def many(self, query: str, rows: list[tuple[Any, ...]]) -> None:
+        """`run` once per row of parameters, in one call (one round trip on PostgreSQL)."""
+        if rows:
+            self.conn.cursor().executemany(self.dialect.sql(query), rows)
 
     def count(self, name: str, n: int = 1) -> None:
         self.run(

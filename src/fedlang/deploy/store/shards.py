@@ -1,0 +1,285 @@
+"""Plain rounds' reports taken at network speed: folded in memory, committed in groups.
+
+`rounds.Rounds.accept` takes one report per transaction: it locks the round's row,
+decodes the stored aggregate, folds the report in, and rewrites it. `ReportShards` takes
+the same reports with the same guarantees at a fraction of the cost:
+
+* **a shard per process.** Each server process keeps, for each open round, the running
+  aggregate of the reports it accepted in memory (its *shard*: accumulators, never
+  decoded or re-encoded per report) and a row `aggregate_shards (round, shard, data,
+  reports)` holding the shard as of its last commit. Processes never write each other's
+  rows, so several processes on one PostgreSQL take one round's reports in parallel.
+* **group commit.** Requests hand their checked reports to one writer thread per
+  process, which takes all that are waiting in one transaction: it admits each
+  (`admission`, exactly as `Rounds.accept`: replays, 409/403/410), folds it into the
+  shard (a report that would make the shard overflow is refused, 400 `overflow`),
+  records its digest and its client's assignment, then writes each touched shard's row
+  once, and commits. Each request is answered only after the commit that holds its
+  report: an acknowledged report is in the database (its digest, and the shard row
+  its value is folded into), so `kill -9` of the process loses none; a report not yet
+  committed was never acknowledged, and its client retries it.
+* **the round's row** is read with a share lock (`Rounds.round_for_reports`: on
+  PostgreSQL `FOR KEY SHARE`, which reports of one round take together, and which
+  keeps only a close out) and never written by a report; its count is its row's plus
+  its shards' (`rounds._ROUND_FIELDS`). When the count reaches the target (or the
+  deadline passes) the writer closes the round after its commit (`Rounds.close_if_done`,
+  the row locked `FOR UPDATE` only then), which merges every shard into the round's
+  aggregate. Two processes committing at once each count without the other's reports,
+  so a writer whose group took reports reads the count again once committed: the later
+  one sees both. A restarted process starts new shards; the old ones are merged with the
+  rest. A report the writer sees after the round reached its target is refused 410 as
+  after its close. (Several processes may each commit a group just as the target is
+  reached: the round then holds a few more reports than its target, each from a client
+  assigned to it. One process never does.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import secrets
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from fedlang.deploy import protocol
+from fedlang.deploy.plans import folding
+from fedlang.deploy.store import admission, sql
+from fedlang.deploy.store import rounds as rounds_lib
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One report waiting for the writer, and its answer once committed."""
+
+    round: int
+    client: str
+    digest: str
+    size: int
+    checked: Any
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    result: bool | BaseException | None = None
+
+
+@dataclasses.dataclass
+class _Shard:
+    """A round's shard in this process: its running aggregate (as its row holds it,
+    plus the reports of the transaction under way)."""
+
+    accumulators: list[Any]
+
+
+@dataclasses.dataclass
+class _Group:
+    """A batch's reports to one round: the round's row, its count, and what the
+    admission of its clients reads (their accepted digests, their assignments), kept up
+    to date as the batch's reports are taken."""
+
+    round: rounds_lib.Round
+    count: int
+    accepted: dict[str, str]
+    held: dict[str, str]
+    taken: list[_Pending] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def read(cls, tx: sql.Tx, r: rounds_lib.Round, clients: list[str]) -> _Group:
+        marks = ", ".join("?" for _ in clients)
+        accepted = tx.all(
+            f"SELECT client, digest FROM reports WHERE round = ? AND stage = 0 AND client IN ({marks})",
+            (r.id, *clients),
+        )
+        held = tx.all(
+            f"SELECT client, state FROM assignments WHERE round = ? AND client IN ({marks})",
+            (r.id, *clients),
+        )
+        return cls(r, r.reports, {str(c): str(d) for c, d in accepted},
+                   {str(c): str(st) for c, st in held})
+
+
+class ReportShards:
+    """Takes plain rounds' reports into this process's shards (see the module docstring).
+
+    Args:
+      rounds: the rounds of the store (`rounds.folders` set: each round's `Folder`).
+      max_batch: the most reports committed in one transaction.
+    """
+
+    def __init__(self, rounds: rounds_lib.Rounds, max_batch: int = 256):
+        if rounds.folders is None:
+            raise ValueError("Expected Rounds made with its folders, found none; make it "
+                             "Rounds(store, folders), as server.state does.")
+        self.rounds = rounds
+        self.store = rounds.store
+        self.folders: Callable[[str], folding.Folder] = rounds.folders
+        self.max_batch = max_batch
+        self.shard = secrets.token_hex(8)  # this process's shards, until it stops
+        self._shards: dict[int, _Shard] = {}
+        self._waiting: list[_Pending] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def accept(self, round_id: int, client_id: str, digest: str, size: int, checked: Any) -> bool:
+        """Accepts a checked report (`Folder.check`'s value) once it is committed; False
+        for a replay of an accepted report (nothing changes).
+
+        Raises:
+          Forbidden, Gone, Conflict: as `Rounds.accept`.
+          ReportError: `overflow`: the report would make the round's aggregate overflow.
+        """
+        pending = _Pending(round_id, client_id, digest, size, checked)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("The server is stopping; send the report again.")
+            self._waiting.append(pending)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                 name="fedlang-report-writer")
+                self._thread.start()
+            self._cond.notify()
+        pending.done.wait()
+        if isinstance(pending.result, BaseException):
+            raise pending.result
+        return bool(pending.result)
+
+    def close(self) -> None:
+        """Commits what is waiting, then stops the writer."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=60)
+
+    # -- the writer
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if not self._waiting:
+                    return
+                batch = self._waiting[: self.max_batch]
+                del self._waiting[: self.max_batch]
+            try:
+                close, check = self._commit(batch)
+            except BaseException as e:  # the transaction is undone: no report was taken
+                self._shards.clear()  # rebuilt from their committed rows
+                for p in batch:
+                    p.result = e
+                close, check = set(), set()
+            for round_id in sorted(close | check):  # before the answers: a client told its report
+                # (a close that fails now is made by the next report or the deadline tick)
+                with contextlib.suppress(Exception):  # closed the round finds it closed
+                    if round_id in close or self._reached(round_id):
+                        self.rounds.close_if_done(round_id)
+            for p in batch:
+                p.done.set()
+
+    def _commit(self, batch: list[_Pending]) -> tuple[set[int], set[int]]:
+        """Takes `batch` in one transaction (see the module docstring); sets each
+        report's result; returns the rounds to close once it is committed, and those to
+        close if they reached their target with others' reports (`_reached`). Its
+        statements are per round, not per report (the writer is the one serial part)."""
+        now = self.store.clock()
+        due: set[int] = set()
+        with self.store.transaction(write=True) as tx:
+            groups: dict[int, _Group | protocol.ProtocolError] = {}
+            for round_id in sorted({p.round for p in batch}):  # one lock order: no deadlock
+                try:
+                    r = self.rounds.round_for_reports(tx, round_id)
+                except protocol.ProtocolError as e:
+                    groups[round_id] = e
+                    continue
+                groups[round_id] = _Group.read(tx, r, [p.client for p in batch
+                                                       if p.round == round_id])
+            for p in batch:
+                group = groups[p.round]
+                try:
+                    if isinstance(group, BaseException):
+                        raise group
+                    p.result = self._take(tx, group, p, due, now)
+                except (protocol.ProtocolError, folding.ReportError) as e:
+                    p.result = e
+            taken = [(g, p) for g in groups.values() if isinstance(g, _Group) for p in g.taken]
+            tx.many(
+                "UPDATE assignments SET state = ?, updated = ? WHERE round = ? AND client = ?",
+                [(admission.Assignment.REPORTED, now, g.round.id, p.client) for g, p in taken],
+            )
+            tx.many(
+                "INSERT INTO reports (round, client, stage, digest, size, accepted)"
+                " VALUES (?, ?, 0, ?, ?, ?)",
+                [(g.round.id, p.client, p.digest, p.size, now) for g, p in taken],
+            )
+            for g in groups.values():
+                if isinstance(g, _Group) and g.taken:
+                    tx.run(
+                        "UPDATE aggregate_shards SET data = ?, reports = reports + ?"
+                        " WHERE round = ? AND shard = ?",
+                        (self.folders(g.round.plan).serialize(self._shards[g.round.id].accumulators),
+                         len(g.taken), g.round.id, self.shard),
+                    )
+            if taken:
+                tx.count("reports:accepted", len(taken))
+        for round_id, g in groups.items():
+            if not (isinstance(g, _Group) and g.round.state == rounds_lib.OPEN):
+                self._shards.pop(round_id, None)  # its shard was merged at its close
+        took = {g.round.id for g in groups.values() if isinstance(g, _Group) and g.taken}
+        return due, took - due
+
+    def _reached(self, round_id: int) -> bool:
+        """Whether a round's committed count reached its target. Another process's group
+        may commit while this one's does, each seeing the other's count without its
+        reports: each reads again once committed, and the later one sees both."""
+        with self.store.transaction() as tx:
+            r = self.rounds.round_in(tx, round_id)
+        return r.state == rounds_lib.OPEN and r.reports >= r.target
+
+    def _take(self, tx: sql.Tx, g: _Group, p: _Pending, due: set[int], now: float) -> bool:
+        """Admits and folds one report; True if taken, False for a replay."""
+        r = g.round
+        rounds_lib.reports_only(r)
+        if r.state == rounds_lib.OPEN and (r.deadline <= now or g.count >= r.target):
+            due.add(r.id)  # as if closed: it closes once this transaction commits
+            r = dataclasses.replace(r, state=rounds_lib.CLOSED)
+        slot = rounds_lib.slot_of(r, g.accepted.get(p.client), g.held.get(p.client))
+        if admission.admit(slot, p.digest):
+            return False
+        folder = self.folders(r.plan)
+        shard = self._shard(tx, r, folder)
+        try:
+            folder.fold_into(shard.accumulators, p.checked)
+        except folding.ReportError:  # rebuilt without it: as committed, plus this batch's
+            shard.accumulators = self._committed(tx, r, folder)
+            for q in g.taken:
+                folder.fold_into(shard.accumulators, q.checked)
+            raise
+        g.accepted[p.client] = p.digest
+        g.held[p.client] = admission.Assignment.REPORTED
+        g.taken.append(p)
+        g.count += 1
+        if g.count >= r.target:
+            due.add(r.id)
+        return True
+
+    def _shard(self, tx: sql.Tx, r: rounds_lib.Round, folder: folding.Folder) -> _Shard:
+        """This process's shard of round `r`, made (with its row) on its first report."""
+        shard = self._shards.get(r.id)
+        if shard is None:
+            shard = _Shard(self._committed(tx, r, folder))
+            self._shards[r.id] = shard
+        return shard
+
+    def _committed(self, tx: sql.Tx, r: rounds_lib.Round, folder: folding.Folder) -> list[Any]:
+        """The shard's accumulators as its row holds them (the row made empty if new)."""
+        row = tx.one(
+            "SELECT data FROM aggregate_shards WHERE round = ? AND shard = ?", (r.id, self.shard)
+        )
+        if row is not None:
+            return folder.accumulators(bytes(row[0]))
+        tx.run(
+            "INSERT INTO aggregate_shards (round, shard, data, reports) VALUES (?, ?, ?, 0)",
+            (r.id, self.shard, folder.empty()),
+        )
+        return folder.accumulators()
