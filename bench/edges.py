@@ -34,12 +34,11 @@ import time
 from typing import Any
 
 import httpx
-import numpy as np
 
-import fedlang as fl
 from fedlang import deploy
-from fedlang.core import context
-from fedlang.deploy.plans import execution
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import deploy as deploy_bench  # bench/deploy.py: the round of float32 updates
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONCURRENCY = 16
@@ -85,33 +84,6 @@ class Process:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=30)
-
-
-class Capture:
-    def run_round(self, plan: Any, broadcast: bytes) -> Any:
-        self.plan, self.broadcast = plan, broadcast
-        raise StopIteration
-
-
-def update_round(n: int) -> tuple[Any, bytes, bytes]:
-    """(plan, broadcast, one client's report) of a round summing float32[n] updates."""
-    element = fl.TensorType(np.float32, [n])
-
-    @fl.jax_computation(fl.SequenceType(element))
-    def local(ds: Any) -> Any:
-        return ds.reduce(np.zeros(n, np.float32), lambda s, x: s + x)
-
-    @fl.federated_computation(fl.type_at_clients(fl.SequenceType(element)))
-    def total(data: Any) -> Any:
-        return fl.federated_sum(fl.federated_map(local, data))
-
-    runner = Capture()
-    with contextlib.suppress(StopIteration), context.with_context(deploy.DeploymentContext(runner)):
-        total(deploy.client_data("train"))
-    rng = np.random.default_rng(0)
-    report = execution.run_plan(runner.plan, runner.broadcast,
-                                {"train": [rng.normal(size=n).astype(np.float32)]})
-    return runner.plan, runner.broadcast, report
 
 
 async def _gather(n: int, fn: Any) -> list[Any]:
@@ -221,7 +193,7 @@ def root_and_edges(work: pathlib.Path, plan: Any, broadcast: bytes, report: byte
 
 
 def run(cohort: int, floats: int = 10**5) -> list[dict[str, Any]]:
-    plan, broadcast, report = update_round(floats)
+    plan, broadcast, report = deploy_bench.update_round(floats)
     work = pathlib.Path(tempfile.mkdtemp(prefix="fedlang-bench-edges-"))
     rows = []
     single = one_server(work, plan, broadcast, report, cohort)
