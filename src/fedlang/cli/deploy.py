@@ -81,7 +81,7 @@ def serve(
         envvar="FEDLANG_UPSTREAM_TOKEN", metavar="TOKEN", help="The edge's token, made by the root's admin (POST /v1/admin/edges).")]
     = None,
     upstream_key: Annotated[str | None, typer.Option(
-        metavar="BASE64", help="The root's public key to pin (default: the one it shows on first contact).")]
+        metavar="KEY", help="The root's public key (base64) to pin (default: the one it shows on first contact).")]
     = None,
     ephemeral: Annotated[bool, typer.Option(
         help="An edge whose store is temporary (removed when it stops): a killed edge's clients count as dropouts at the root.")]
