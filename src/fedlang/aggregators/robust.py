@@ -66,18 +66,22 @@ def collect_process(value_t: types.Type, statistic: Callable[[list[Any]], tuple[
     def empty():
         return tools.from_leaves(buffer_t, [jnp.zeros([0, *lt.shape], lt.dtype) for lt in leaf_types])
 
+    # Exported (deployment plans) with buffers of any number of rows, each its own.
+    @jax_backend.growing_buffers
     @jax_backend.jax_computation(buffer_t, value_t, result_type=buffer_t)
     def accumulate(buffer, value):
         return tools.from_leaves(buffer_t, [
             jnp.concatenate([b, v[None]], 0)
             for b, v in zip(tools.leaves_of(buffer, buffer_t), tools.leaves_of(value, value_t))])
 
+    @jax_backend.growing_buffers
     @jax_backend.jax_computation(buffer_t, buffer_t, result_type=buffer_t)
     def merge(a, b):
         return tools.from_leaves(buffer_t, [
             jnp.concatenate([x, y], 0)
             for x, y in zip(tools.leaves_of(a, buffer_t), tools.leaves_of(b, buffer_t))])
 
+    @jax_backend.growing_buffers
     @jax_backend.jax_computation(buffer_t, result_type=report_t)
     def report(buffer):
         leaves = tools.leaves_of(buffer, buffer_t)

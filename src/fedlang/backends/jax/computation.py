@@ -135,6 +135,30 @@ def abstract_args(
     ]
 
 
+def growing_buffers(comp: JaxComputation) -> JaxComputation:
+    """Marks `comp` (without a dataset) as working on growing buffers (`float32[?, ...]`,
+    one row per client, as `federated_aggregate` collects them for a median): when
+    exported, each leaf's unknown leading dimension is its own size, which may be zero,
+    rather than one size `a` >= 1 shared by all arguments (`program_avals`). Returns
+    `comp`."""
+    comp.buffers = True
+    return comp
+
+
+def _buffer_avals(leaf_types: Sequence[types.TensorType]) -> list[jax.ShapeDtypeStruct]:
+    """Abstract values with each unknown dim its own symbol; leading ones `r - 1` (the
+    symbols of `jax.export` are >= 1, a buffer may have no rows)."""
+    names = [f"r{i}_{j}" for i, lt in enumerate(leaf_types) for j, d in enumerate(lt.shape)
+             if d is None]
+    symbols = dict(zip(names, jax.export.symbolic_shape(",".join(names)))) if names else {}
+    return [
+        jax.ShapeDtypeStruct(tuple(
+            d if d is not None else symbols[f"r{i}_{j}"] - (1 if j == 0 else 0)
+            for j, d in enumerate(lt.shape)), lt.dtype)
+        for i, lt in enumerate(leaf_types)
+    ]
+
+
 def concrete_shape(t: types.TensorType) -> tuple[int, ...]:
     """The shape of a fully known tensor type (the state of a reduce must have one)."""
     if not t.is_fully_defined:
@@ -154,9 +178,12 @@ def program_avals(comp: local.LocalProgram) -> dict[str, list[jax.ShapeDtypeStru
     """Abstract flat arguments of each program of `comp`, with symbolic unknown dims.
 
     The leading unknown dimensions of the non-dataset arguments share the symbol `a`,
-    those of a dataset element (and its mask) `b`.
+    those of a dataset element (and its mask) `b` (each its own, possibly zero, for
+    `growing_buffers`).
     """
     arg_types = list(comp.arg_leaf_types)
+    if comp.seq_index is None and getattr(comp, "buffers", False):
+        return {"fn": _buffer_avals(arg_types)}
     if comp.seq_index is None:
         (args,) = abstract_args([(arg_types, "a")])
         return {"fn": args}
@@ -485,6 +512,7 @@ class JaxComputation(JaxLocal, computation.Computation):
     ):
         self.fn = fn
         self.name = name or cast(str, getattr(fn, "__name__", "jax_computation"))
+        self.buffers = False  # exported for growing buffers (`growing_buffers`)
         self.parameter_names = computation.parameter_names_of(fn)
         param = computation.parameter_type_for(param_types, self.parameter_names, self.name)
         self.param_types = tuple(types.to_type(t) for t in param_types)

@@ -56,7 +56,9 @@ class Folder:
         self.report_type = round_plan.report_type
         self.secure = round_plan.secure
         self.plain = tuple(i for i in range(len(round_plan.aggregations)) if i not in self.secure)
-        self.max_report_bytes = max_bytes(self.report_type)
+        # One client adds one row to a growing buffer (`float32[?, ...]`): a report's
+        # unknown dimensions hold at most one row each.
+        self.max_report_bytes = max_bytes(self.report_type, unknown=1)
         self.partial_type = partial_type(self.aggregate_type)
         self.max_partial_bytes = max_bytes(self.partial_type)
         self.bounds = round_plan.bounds or bounds_lib.Bounds()
@@ -90,7 +92,8 @@ class Folder:
           ReportError: if the report is malformed, of another type, too large, not
             finite, or not exactly one client's contribution.
         """
-        value = structure.to_internal(read_report(report, self.report_type), self.report_type)
+        value = structure.to_internal(
+            read_report(report, self.report_type, unknown=1), self.report_type)
         for i, partial, t in zip(self.plain, value, self.report_type.types):
             _check_one_client(partial, t, f"aggregation {i} ({self.plan.aggregations[i].uri})")
         return value
@@ -205,6 +208,7 @@ class Folder:
         reports, dropped, aggregate = int(value[0]), int(value[1]), value[2]
         for i, (p, t) in enumerate(zip(aggregate, self.aggregate_type.types)):
             check_finite(p, t, f"aggregation {i} ({self.plan.aggregations[i].uri})")
+            _check_rows(p, t, f"aggregation {i} ({self.plan.aggregations[i].uri})")
         if reports < 0 or dropped < 0:
             raise ReportError(
                 f"Expected non-negative counts in a partial aggregate, found {reports} reports "
@@ -300,15 +304,16 @@ def _within_range(acc: Any, t: types.Type) -> bool:
     return True
 
 
-def read_report(report: bytes, t: types.Type) -> Any:
+def read_report(report: bytes, t: types.Type, unknown: int = 1 << 20) -> Any:
     """Decodes one client's report of type `t` (untrusted bytes) with explicit limits:
-    at most the bytes `t` can hold (`max_bytes`, plus 1 MiB of framing), exactly type `t`.
+    at most the bytes `t` can hold (`max_bytes(t, unknown)`, plus 1 MiB of framing),
+    exactly type `t`.
     Returns it as `deserialize_value` gives it (Python containers of NumPy arrays).
 
     Raises:
       ReportError: if it is too large (`too_large`) or not a value of type `t` (`malformed`).
     """
-    limit = max_bytes(t)
+    limit = max_bytes(t, unknown)
     if len(report) > limit + (1 << 20):
         raise ReportError(
             f"Expected a report of at most {limit} bytes of values, found {len(report)} bytes.",
@@ -361,6 +366,7 @@ def _check_one_client(partial: Any, t: types.Type, where: str) -> None:
             f"Expected one client's contribution in {where}, found a count of {int(fields['count'])}.",
             reason="not_one_client",
         )
+    _check_rows(partial, t, where)
     if "seen" in fields and not bool(fields["seen"]):
         raise ReportError(f"Expected one client's value in {where}, found none.", "not_one_client")
     if "weight" in fields and not float(fields["weight"]) >= 0:
@@ -370,10 +376,35 @@ def _check_one_client(partial: Any, t: types.Type, where: str) -> None:
         )
 
 
-def max_bytes(t: types.Type) -> int:
-    """An upper bound on the tensor bytes of a report of type `t` (unknown dims: 2^20)."""
+def _check_rows(partial: Any, t: types.Type, where: str) -> None:
+    """A `federated_aggregate` partial (`<value, count>`) whose value holds growing
+    buffers (unknown dimensions) holds at most one row per client it counts: a client
+    cannot weigh more than one value in a median or a trimmed mean.
+
+    Raises:
+      ReportError: `not_one_client`, naming `where` and the sizes found.
+    """
+    if not isinstance(t, types.StructType) or set(t.names) != {"value", "count"}:
+        return
+    fields = dict(zip(t.names, partial))
+    count = int(fields["count"])
+    value_t = t.types[t.names.index("value")]
+    for leaf, lt in zip(structure.flatten(fields["value"], value_t), structure.leaf_types(value_t)):
+        shape = np.shape(leaf)
+        for d, size in zip(lt.shape, shape):
+            if d is None and size > count:
+                raise ReportError(
+                    f"Expected at most one row per client in {where} ({count} counted), "
+                    f"found a buffer of shape {list(shape)}.",
+                    reason="not_one_client",
+                )
+
+
+def max_bytes(t: types.Type, unknown: int = 1 << 20) -> int:
+    """An upper bound on the tensor bytes of a value of type `t`, each unknown dimension
+    at most `unknown` (a client's report: 1, its one row of a growing buffer)."""
     total = 0
     for lt in structure.leaf_types(t):
-        dims = [1 << 20 if d is None else d for d in lt.shape]
+        dims = [unknown if d is None else d for d in lt.shape]
         total += math.prod(dims) * np.dtype(lt.dtype).itemsize
     return total
