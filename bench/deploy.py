@@ -145,7 +145,7 @@ def update_round(n: int) -> tuple[Any, bytes, bytes]:
     return runner.plan, runner.broadcast, report
 
 
-async def _gather(n: int, fn: Any) -> list[Any]:
+async def gather(n: int, fn: Any) -> list[Any]:
     gate = asyncio.Semaphore(CONCURRENCY)
 
     async def one(i: int) -> Any:
@@ -161,7 +161,7 @@ async def _enroll(h: httpx.AsyncClient, token: str, n: int) -> list[str]:
         r.raise_for_status()
         return r.json()["credential"]
 
-    return await _gather(n, enroll)
+    return await gather(n, enroll)
 
 
 def _open_round(url: str, plan: Any, broadcast: bytes, target: int) -> tuple[str, int, str]:
@@ -183,7 +183,7 @@ async def _throughput(url: str, plan: Any, broadcast: bytes, report: bytes, m: i
             r = await h.post("/v1/checkin", headers={"Authorization": f"Bearer {creds[i]}"})
             assert r.json()["task"]["round"] == round_id
 
-        await _gather(m, checkin)
+        await gather(m, checkin)
 
         async def upload(i: int) -> None:
             r = await h.put(f"/v1/rounds/{round_id}/report", content=report,
@@ -191,7 +191,7 @@ async def _throughput(url: str, plan: Any, broadcast: bytes, report: bytes, m: i
             assert r.status_code == 200 and not r.json()["replay"], r.text
 
         start = time.perf_counter()
-        await _gather(m, upload)
+        await gather(m, upload)
         return time.perf_counter() - start
 
 
@@ -202,7 +202,7 @@ async def _echo(url: str, report: bytes, m: int) -> float:
             (await h.put("/echo", content=report)).raise_for_status()
 
         start = time.perf_counter()
-        await _gather(m, upload)
+        await gather(m, upload)
         return time.perf_counter() - start
 
 
@@ -232,7 +232,7 @@ async def _round_latency(url: str, plan: Any, broadcast: bytes, report: bytes, n
             r = await h.put(f"/v1/rounds/{task['round']}/report", content=report, headers=auth)
             r.raise_for_status()
 
-        await _gather(n, client)
+        await gather(n, client)
         with deploy.Admin(url, "bench") as admin:
             while admin.round(created["id"], wait=5)["state"] == "open":
                 pass

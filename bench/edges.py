@@ -41,7 +41,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import deploy as deploy_bench  # bench/deploy.py: the round of float32 updates
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONCURRENCY = 16
 ADMIN = "bench"
 
 
@@ -86,16 +85,6 @@ class Process:
             self.proc.wait(timeout=30)
 
 
-async def _gather(n: int, fn: Any) -> list[Any]:
-    gate = asyncio.Semaphore(CONCURRENCY)
-
-    async def one(i: int) -> Any:
-        async with gate:
-            return await fn(i)
-
-    return await asyncio.gather(*(one(i) for i in range(n)))
-
-
 async def _enroll(url: str, token: str, n: int) -> list[tuple[str, str]]:
     async with httpx.AsyncClient(base_url=url, timeout=120) as h:
         async def enroll(_: int) -> tuple[str, str]:
@@ -104,13 +93,13 @@ async def _enroll(url: str, token: str, n: int) -> list[tuple[str, str]]:
             r.raise_for_status()
             return url, r.json()["credential"]
 
-        return await _gather(n, enroll)
+        return await deploy_bench.gather(n, enroll)
 
 
 async def _clients(clients: list[tuple[str, str]], report: bytes) -> None:
     """Each client checks in (until it gets a task) and uploads `report`."""
     hosts = {url: httpx.AsyncClient(base_url=url, timeout=120,
-                                    limits=httpx.Limits(max_connections=CONCURRENCY))
+                                    limits=httpx.Limits(max_connections=deploy_bench.CONCURRENCY))
              for url in {u for u, _ in clients}}
     try:
         async def client(i: int) -> None:
@@ -125,7 +114,7 @@ async def _clients(clients: list[tuple[str, str]], report: bytes) -> None:
                             headers=auth)
             assert r.status_code == 200 and not r.json()["replay"], r.text
 
-        await _gather(len(clients), client)
+        await deploy_bench.gather(len(clients), client)
     finally:
         for h in hosts.values():
             await h.aclose()

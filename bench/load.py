@@ -243,7 +243,7 @@ async def _prepare(urls: list[str], plan: Any, broadcast: bytes, m: int
                 "/v1/checkin", headers={"Authorization": f"Bearer {creds[i]}"})
             assert r.json()["task"]["round"] == round_id, r.text
 
-        await deploy_bench._gather(m, checkin)
+        await deploy_bench.gather(m, checkin)
     finally:
         for c in clients:
             await c.aclose()
