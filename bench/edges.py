@@ -12,7 +12,10 @@ Every server is its own process; the clients are lightweight in-process
 `/proc/PID/stat`) of every server process is measured from the moment the round is open
 (and, with edges, mirrored at both) to the moment the root closes it: check-ins,
 uploads, folds, the edges' forwarding and the root's merges. The table gives it per
-report, the root's own share, and the ratio to one server.
+report, the root's own share, and the ratio to one server. The peak resident memory
+of each server process (the kernel's `VmHWM` in `/proc/PID/status`, read once the round
+closed: the most it held since it started) shows whether a server's memory stays flat
+as the cohort grows; the table gives the largest of them, and the root's.
 
 Run: python bench/edges.py [--quick] [--cohort N]   (results in bench/README.md,
 "Edge aggregators")
@@ -76,6 +79,13 @@ class Process:
         fields = pathlib.Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def peak_rss(self) -> int:
+        """The most memory the process has held resident since it started (bytes)."""
+        for line in pathlib.Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no VmHWM in /proc/{self.proc.pid}/status")
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -131,7 +141,9 @@ def _measure(servers: list[Process], root: Process, clients: list[tuple[str, str
     assert r["state"] == "closed" and r["reports"] == len(clients), r
     seconds = time.perf_counter() - start
     cpu = [s.cpu() - c for s, c in zip(servers, cpu0)]
-    return {"seconds": seconds, "cpu": sum(cpu), "root_cpu": cpu[0]}
+    peaks = [s.peak_rss() for s in servers]
+    return {"seconds": seconds, "cpu": sum(cpu), "root_cpu": cpu[0], "peak_rss": max(peaks),
+            "root_peak_rss": peaks[0]}
 
 
 def one_server(work: pathlib.Path, plan: Any, broadcast: bytes, report: bytes,
@@ -194,16 +206,19 @@ def run(cohort: int, floats: int = 10**5) -> list[dict[str, Any]]:
             "cpu_ms_per_report": round(1e3 * m["cpu"] / cohort, 1),
             "root_cpu_ms_per_report": round(1e3 * m["root_cpu"] / cohort, 1),
             "vs_one_server": round(m["cpu"] / single["cpu"], 3),
+            "peak_rss_mb": round(m["peak_rss"] / 2**20, 1),
+            "root_peak_rss_mb": round(m["root_peak_rss"] / 2**20, 1),
         })
         print(json.dumps(rows[-1]), flush=True)
     print()
     print("| setup | cohort | report | round | server CPU | CPU per report | root's CPU per "
-          "report | CPU vs one server |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "report | CPU vs one server | peak RSS of a server | root's peak RSS |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['setup']} | {r['cohort']:,} | {r['report_kb']:.0f} KB | {r['round_s']} s | "
               f"{r['server_cpu_s']} s | {r['cpu_ms_per_report']} ms | "
-              f"{r['root_cpu_ms_per_report']} ms | {r['vs_one_server']:.2f} |")
+              f"{r['root_cpu_ms_per_report']} ms | {r['vs_one_server']:.2f} | "
+              f"{r['peak_rss_mb']} MB | {r['root_peak_rss_mb']} MB |")
     return rows
 
 
