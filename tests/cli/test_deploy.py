@@ -229,3 +229,20 @@ def test_an_ephemeral_edge_stops_on_sigterm_saying_that_it_kept_nothing(tmp_path
         "clients as dropouts of the rounds it held."), err
     store = out.split("(database ")[1].split(")")[0]
     assert not pathlib.Path(store).parent.exists()  # the temporary store is gone
+
+
+def test_serve_workers_refuses_sqlite_a_bad_count_and_one_metrics_port(tmp_path):
+    pg = "postgresql://nobody@127.0.0.1:1/none"  # refused before anything connects
+    sqlite, zero, metrics, edge = fedlang_all(
+        ["serve", "--db", tmp_path / "a.db", "--port", "0", "--workers", "2"],
+        ["serve", "--db", pg, "--port", "0", "--workers", "0"],
+        ["serve", "--db", pg, "--port", "0", "--workers", "2", "--metrics-port", "0"],
+        ["serve", "--db", pg, "--port", "0", "--workers", "2", "--upstream", "http://x",
+         "--upstream-token", "t"],
+        timeout=120,
+    )
+    one_sentence_error(sqlite, 2, "a PostgreSQL database with --workers", "SQLite is one process",
+                       "--db postgresql://")
+    one_sentence_error(zero, 2, "--workers N with N >= 1", "found 0")
+    one_sentence_error(metrics, 2, "no --metrics-port with --workers 2", "admin token")
+    one_sentence_error(edge, 2, "no --upstream with --workers")

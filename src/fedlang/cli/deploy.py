@@ -96,8 +96,14 @@ def serve(
     = 1.0,
     enroll_burst: Annotated[int, typer.Option(
         metavar="B", help="Failed enrollments one address may make at once.")] = 20,
+    workers: Annotated[int | None, typer.Option(
+        metavar="N", help="Serve from N worker processes on one PostgreSQL database (one port; a worker that dies is replaced).")]
+    = None,
 ) -> None:
     """Serve a task store: clients check in for tasks; the driver opens rounds.
+
+    With --workers N (PostgreSQL only) this process binds the port and N worker processes
+    serve it, as several `fedlang serve` on one database do.
 
     With --upstream URL it is an edge aggregator: its clients enroll with its own
     population token and pin its key; it serves the root's rounds and forwards their
@@ -113,6 +119,13 @@ def serve(
     if ephemeral and upstream is None:
         console.fail("Expected --upstream URL with --ephemeral (an edge aggregator), found "
                      "none; give the root's URL and --upstream-token.", 2)
+    if workers is not None:
+        from fedlang.deploy.server import workers as workers_lib
+
+        try:
+            workers_lib.check(db, workers, metrics_port=metrics_port, upstream=upstream)
+        except ValueError as e:
+            console.fail(e, 2)
     # Ctrl-C and SIGTERM are noted from the start (imports take seconds) and stop the
     # server; while it serves uvicorn takes them, and raises them again once it stops
     stopped: list[int] = []
@@ -136,8 +149,7 @@ def serve(
             temporary = tempfile.TemporaryDirectory(prefix="fedlang-edge-")
             db = str(pathlib.Path(temporary.name) / "edge.db")
         try:
-            server = server_lib.Server(
-                db, host, port, admin_token, key_file,
+            options: dict[str, Any] = dict(
                 pace=store_lib.Pace(checkins_per_second, min_retry, max_retry),
                 credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
                 browser=browser, demo_page=demo_page, limits=server_lib.Limits(
@@ -145,7 +157,11 @@ def serve(
                     client_rate, client_burst, enroll_rate, enroll_burst),
                 # the defaults keep uvicorn's own logging, as before --log-format
                 log_format=None if (log_format, log_level) == ("text", "warning") else log_format,
-                log_level=log_level.lower(), metrics_port=metrics_port,
+                log_level=log_level.lower(),
+            )
+            server = server_lib.Server(  # with --workers: binds the port, sets up the database
+                db, host, port, admin_token, key_file, **options,
+                metrics_port=metrics_port if workers is None else None,
             )
         except (OSError, ValueError, ImportError, server_lib.DatabaseInUse) as e:
             console.fail(e)
@@ -178,11 +194,18 @@ def serve(
             except protocol.Conflict:
                 print(f"population {name} exists (its token was printed when it was made)", flush=True)
         running = server if edge is None else edge
+        if workers is not None:  # the workers read the token's hash and the key the parent set
+            running = workers_lib.Workers(server, workers, {
+                **options, "db": db, "key": key_file, "metrics_port": metrics_port})
         made.append(running)
         if stopped:  # before `made` had it
             running.request_stop()
         try:
             running.serve()  # returns at once if asked to stop
+        except RuntimeError as e:  # with --workers: one ended before it served (WorkerFailed)
+            if workers is None:
+                raise
+            console.fail(e)
         finally:
             if temporary is not None:
                 temporary.cleanup()

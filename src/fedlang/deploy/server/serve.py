@@ -300,6 +300,8 @@ class Server:
         (`telemetry.configure_logging`); None: uvicorn's own logging, as before.
       metrics_port: also serve `/metrics` without a token on 127.0.0.1 at this port (0:
         any free port; see `metrics_url`), for a Prometheus on the same machine.
+      sock: serve this bound, listening socket instead of binding `host`:`port` (a worker
+        of `fedlang serve --workers N`, `workers.Workers`, serves its parent's socket).
 
     Example:
       >>> with Server(db="/tmp/fl.db", port=0) as server:  # doctest: +SKIP
@@ -329,6 +331,7 @@ class Server:
         limits: Limits | None = None,
         log_format: str | None = None,
         metrics_port: int | None = None,
+        sock: socket.socket | None = None,
     ):
         self._metrics: Any = None  # the loopback /metrics server (`metrics_port`)
         self._held = hold_database(db)  # first: before anything reads the database
@@ -378,7 +381,10 @@ class Server:
                 self._metrics = telemetry.serve_metrics(self.app_state.telemetry, metrics_port)
                 self.metrics_url = f"http://127.0.0.1:{self._metrics.server_port}/metrics"
             self.host = host
-            self._sock = _free_socket(host, port)  # last: nothing after it fails
+            # last: nothing after it fails
+            self._sock = _free_socket(host, port) if sock is None else sock
+            if sock is not None:
+                self.host = host = sock.getsockname()[0]
             self.port = self._sock.getsockname()[1]
             scheme = "https" if ssl_certfile else "http"
             shown = f"[{host}]" if ":" in host else host
@@ -388,6 +394,11 @@ class Server:
             self.store.close()
             self._release()
             raise
+
+    @property
+    def listening_socket(self) -> socket.socket:
+        """The listening socket (what `workers.Workers` hands to its worker processes)."""
+        return self._sock
 
     def serve(self) -> None:
         """Serves until interrupted (Ctrl-C or SIGTERM)."""
