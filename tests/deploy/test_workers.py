@@ -125,17 +125,49 @@ def test_kill_9_of_a_worker_mid_round_loses_no_acknowledged_report_and_it_is_rep
     np.testing.assert_allclose(value, reference(n))
 
 
-def test_sigterm_stops_the_parent_and_every_worker(db_url, server_process):
-    server = serve_workers(server_process, db_url)
-    pids = list(started(server).values())
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(timeout=90) == 143
-    end = time.monotonic() + 30
+def all_end(pids, timeout=30):
+    end = time.monotonic() + timeout
     while any(alive(pid) for pid in pids):
         assert time.monotonic() < end, [pid for pid in pids if alive(pid)]
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_stops_the_parent_and_every_worker(db_url, server_process, signum):
+    server = serve_workers(server_process, db_url)
+    pids = list(started(server).values())
+    if signum == signal.SIGINT:  # Ctrl-C in a terminal: the whole process group gets it
+        os.killpg(server.proc.pid, signal.SIGINT)
+    else:  # SIGTERM: the parent only (a service manager's stop)
+        server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=90) == 128 + signum
+    all_end(pids)
+    label = "Terminated" if signum == signal.SIGTERM else "Interrupted"
     text = " ".join(server.log.read_text().split())
-    assert "Terminated: the server stopped; every report it acknowledged is kept in the " \
+    assert f"{label}: the server stopped; every report it acknowledged is kept in the " \
            "PostgreSQL database" in text
+    assert "Traceback" not in text
     with pytest.raises(httpx.TransportError):  # the port is closed
         httpx.get(f"{server.url}/v1/status", timeout=5)
+
+
+def test_workers_stop_by_themselves_when_their_parent_is_killed(db_url, server_process):
+    server = serve_workers(server_process, db_url)
+    pids = list(started(server).values())
+    os.kill(server.proc.pid, signal.SIGKILL)  # the parent only: no one to restart them
+    server.proc.wait(timeout=30)
+    all_end(pids)
+
+
+def test_a_worker_that_cannot_serve_stops_them_all_with_its_error(
+    db_url, server_process, tmp_path
+):
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate")
+    server = server_process(db_url, extra_args=["--workers", "2", "--ssl-certfile", str(bad),
+                                                "--ssl-keyfile", str(bad)])
+    with pytest.raises(AssertionError):  # it ends before it answers
+        server.start()
+    assert server.proc.wait(timeout=60) == 1
+    text = " ".join(server.log.read_text().split())
+    assert "Error: Expected worker" in text and "to start serving, found it ended first" in text
