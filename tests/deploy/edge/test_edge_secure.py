@@ -144,10 +144,53 @@ def _drive(url, admin_token, result, **options):
 
 
 @pytest.mark.slow
-def test_an_edge_killed_amid_its_clients_masked_inputs_goes_on_and_loses_none_it_acknowledged(
-    tmp_path, client_threads, gates
+def test_an_edge_whose_group_fails_forwards_no_report_and_the_root_closes_with_the_other_group(
+    tmp_path, server_factory, client_threads
 ):
-    root = ServerProcess(tmp_path / "root.db", tmp_path).start()
+    # About 20 s: east's one client is too few for a group (its quorum, 2), so east's
+    # SecAgg+ fails when stage 1 times out; the root closes at its deadline, at its quorum.
+    root = server_factory(tmp_path / "root.db")
+    with deploy.Admin(root.url, root.admin_token) as admin:
+        admin.create_population("pop")
+        edge_tokens = [admin.create_edge(name, "pop") for name in ("east", "west")]
+    edges = [make_edge(tmp_path, name, root.url, t) for name, t in zip(("east", "west"), edge_tokens)]
+    clients = []
+    try:
+        urls = []
+        for edge in edges:
+            edge.connect()
+            urls += [(edge.server.url, edge.create_population())] * 3
+            edge.start()
+        clients = [deploy.Client(url, "pop", token, {"train": batches}, max_tasks=1, patience=5,
+                                 backoff=(0.05, 0.5))
+                   for (url, token), batches in list(zip(urls, CLIENTS))[2:]]
+        errors = [client_threads(c) for c in clients]
+        result = {}
+        _drive(root.url, root.admin_token, result, target=6, quorum=3, deadline=20)
+        assert "error" not in result, result
+        _assert_equal(result["value"], _simulated(CLIENTS[3:]))
+        r = result["rounds"][0].details
+        assert (r["state"], r["reports"], r["dropped"]) == ("closed", 3, 1)
+        with deploy.Admin(root.url, root.admin_token) as admin:
+            shares = admin.edge_shares(r["id"])
+        assert [(s["edge"], s["state"], s["reports"], s["dropped"]) for s in shares] == [
+            ("east", "reported", 0, 1), ("west", "reported", 3, 0)]
+        (local,) = edges[0].state.rounds.rounds()
+        assert (local.state, local.assigned) == ("failed", 1)
+        assert "Expected at least 2 clients (the round's quorum)" in local.failure
+        assert not any(errors[1:])
+    finally:
+        for c in clients:  # east's client would check in again: stopped before its edge
+            c.stop()
+        for edge in edges:
+            edge.stop()
+
+
+@pytest.mark.slow
+def test_an_edge_killed_amid_its_clients_masked_inputs_goes_on_and_loses_none_it_acknowledged(
+    db_url, tmp_path, client_threads, gates
+):
+    root = ServerProcess(db_url, tmp_path).start()  # the root on SQLite, then PostgreSQL
     edges = []
     driver = None
     try:
