@@ -4,7 +4,8 @@ Clients talk to an edge exactly as to the root: they enroll with the edge's popu
 token, pin the **edge's** public key, check in, fetch plan and broadcast, and report.
 A thread (`sync`) keeps the edge's store in step with the root:
 
-1. it lists the open plain rounds of its population at the root (a long poll), and
+1. it lists the open plain rounds of its population at the root (and secure rounds run
+   by edges; a long poll), and
    joins each new one: its share is seats (`capacity`) and a `target`;
 2. it copies the round's plan and broadcast, checks their hashes, verifies the plan
    against the root's key (pinned by the edge on first contact, or given), signs the

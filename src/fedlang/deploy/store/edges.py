@@ -19,7 +19,11 @@ dropouts (`rounds.drop_edge_shares`).
 MLSys 2019: every seat goes to an edge (no client is assigned one at the root), the
 seats split evenly among the edges (`secure_share`), and each edge runs SecAgg+ over its
 own clients and forwards its group's sum folded with their plain reports, which the root
-merges like any partial. The root has no SecAgg+ state for such a round
+merges like any partial. The merge is exact: a group of n seats sums its clients'
+inputs (wrapped to b bits) modulo 2^(b + ceil(log2 n)) (or modulo M), so its sum is their
+exact integer sum; the root adds the groups' sums in the round's accumulators (modulo
+2^64, or M) and reduces modulo the total count's modulus at the end (`ModularSum`), as
+one server and the simulation runtime do. The root has no SecAgg+ state for such a round
 (`rounds.RUN_BY_EDGES`) and learns only each group's sum; an edge learns only its
 group's. A group needs at least `MIN_SECURE_GROUP` clients (fewer would reveal a
 client's input to its edge): a round whose seats cannot give each edge that many is
