@@ -188,3 +188,57 @@ def test_concurrent_joins_and_checkins_never_exceed_the_round_s_capacity(edges, 
     seats = sum(s.capacity for s in edges.shares(r.id))
     tasks = sum(isinstance(x, rounds_lib.Task) for x in results)
     assert seats + tasks == rounds.round(r.id).assigned == 8
+
+
+def open_secure(rounds, folder, target, **options):
+    """A secure round run by edges: kind `secure`, no SecAgg+ state at the root."""
+    plan = rounds.store.put_blob(b"signed plan")
+    broadcast = rounds.store.put_blob(b"broadcast")
+    cohort = rounds_lib.CohortOptions(target, **options)
+    return rounds.create("pop", plan, broadcast, cohort, folder.empty(), kind=rounds_lib.SECURE)
+
+
+def test_a_secure_round_run_by_edges_splits_its_seats_evenly_and_assigns_none_at_the_root(
+    edges, rounds, store, folder, sum_round, token, clock
+):
+    six = rounds_lib.CohortOptions(6, over_selection=1 / 6)  # 7 seats
+    assert not edges.check_secure("pop", six)  # no edges: the root runs it
+    for name in ("east", "west", "north"):
+        edges.create(name, "pop")
+    assert edges.check_secure("pop", six)
+    with pytest.raises(protocol.BadRequest, match=r"found 5 seats in all; .* at least 6 seats"):
+        edges.check_secure("pop", rounds_lib.CohortOptions(5))
+    r = open_secure(rounds, folder, 6, over_selection=1 / 6, quorum=2, deadline=60)
+    (client,) = enroll(store, 1, token=token)
+    assert not isinstance(rounds.checkin(client, "pop"), rounds_lib.Task)  # the edges' seats
+    assert [(x.id, s) for x, s in edges.open_rounds("east", "pop")] == [(r.id, None)]
+    shares = [edges.join(name, "pop", r.id)[1] for name in ("east", "west", "north")]
+    assert [(s.capacity, s.target) for s in shares] == [(3, 2), (2, 2), (2, 2)]
+    assert rounds.round(r.id).assigned == 7
+    assert forward(edges, folder, r.id, "east", partial(folder, sum_round, [[[1, 2, 3]]] * 2, 1))
+    clock.now += 61  # the others never forward: their seats are dropouts
+    assert rounds.close_due() == 1
+    closed = rounds.round(r.id)
+    assert (closed.state, closed.reports, closed.dropped) == ("closed", 2, 5)
+    np.testing.assert_allclose(folder.results(rounds.aggregate(r.id)[1])[0], [2, 4, 6])
+
+
+def test_an_edge_whose_share_of_a_secure_round_is_too_small_for_a_group_is_refused(
+    edges, rounds, store, folder, token
+):
+    edges.create("east", "pop")
+    edges.create("west", "pop")
+    r = open_secure(rounds, folder, 5)  # 2 and 3 seats for two edges
+    edges.create("north", "pop")  # made after: three shares of 2, 2 and 1
+    assert [edges.join(n, "pop", r.id)[1].capacity for n in ("east", "west")] == [2, 2]
+    with pytest.raises(protocol.Conflict, match="at least 2 seats for an edge's group"):
+        edges.join("north", "pop", r.id)
+    # A secure round the root runs itself (opened before its population had edges) is
+    # not an edge's to join.
+    own = open_secure(rounds, folder, 4)
+    with store.transaction(write=True) as tx:
+        tx.run("INSERT INTO secure_rounds (round, stage, stage_timeout, stage_deadline, state)"
+               " VALUES (?, 1, 10, 0, ?)", (own.id, b""))
+    assert own.id not in [x.id for x, _ in edges.open_rounds("east", "pop")]
+    with pytest.raises(protocol.Conflict, match="run by the root"):
+        edges.join("east", "pop", own.id)

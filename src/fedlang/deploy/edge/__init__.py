@@ -1,7 +1,7 @@
 """Edge aggregators: `fedlang serve --upstream URL --upstream-token TOKEN` serves some of a
 population's clients exactly as the root would, mirrors the root's plain rounds in its
-own store, folds its clients' reports there, and forwards one partial aggregate per
-round to the root (`edge.Edge`; the root's side is `server/edges.py` and
+own store, folds its clients' reports there (in a secure round, runs SecAgg+ over them),
+and forwards one partial aggregate per round to the root (`edge.Edge`; the root's side is `server/edges.py` and
 `store/edges.py`; what the edge keeps of the root is `store/upstream.py`).
 
 - `link.py`: HTTP to the root, by the edge's token.

@@ -4,7 +4,8 @@ Clients talk to an edge exactly as to the root: they enroll with the edge's popu
 token, pin the **edge's** public key, check in, fetch plan and broadcast, and report.
 A thread (`sync`) keeps the edge's store in step with the root:
 
-1. it lists the open plain rounds of its population at the root (a long poll), and
+1. it lists the open plain rounds of its population at the root (and secure rounds run
+   by edges; a long poll), and
    joins each new one: its share is seats (`capacity`) and a `target`;
 2. it copies the round's plan and broadcast, checks their hashes, verifies the plan
    against the root's key (pinned by the edge on first contact, or given), signs the
@@ -19,8 +20,15 @@ A thread (`sync`) keeps the edge's store in step with the root:
    refusal that no retry changes (the root round closed: `late`; another partial:
    `conflict`) is recorded and not retried.
 
+A secure round of the root (its plan has secure aggregations; the root gives all its
+seats to edges) is mirrored by a secure round here (`_mirror_secure`): the edge's
+clients run SecAgg+ against the edge exactly as against a single server, and the
+partial forwarded when it ends is its aggregate, the group's unmasked sum folded with
+the same clients' plain reports (`_secure_partial`); the edge learns only its group's
+sum, the root only each group's.
+
 A restarted edge (after kill -9) finds its rounds and reports in its store and goes on
-from step 3. An ephemeral edge (`fedlang serve --upstream ... --ephemeral`) keeps its
+from step 3 (a secure round goes on from the stage it was in, as a restarted server's). An ephemeral edge (`fedlang serve --upstream ... --ephemeral`) keeps its
 store in a temporary directory removed when it stops: what it held is lost with it,
 and the root counts its seats as dropouts when the round ends.
 """
@@ -38,6 +46,7 @@ from fedlang.deploy.edge import link as link_lib
 from fedlang.deploy.plans import folding
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.deploy.server import serve
+from fedlang.deploy.store import edges as edges_lib
 from fedlang.deploy.store import rounds as rounds_lib
 from fedlang.deploy.store import upstream as upstream_lib
 
@@ -218,6 +227,10 @@ class Edge:
         if margin is None:
             margin = min(30.0, max(1.0, left / 10))
         target, capacity = int(share["target"]), int(share["capacity"])
+        if folder.plan.secure:
+            self._mirror_secure(r["id"], folder, local_plan, local_broadcast, target, capacity,
+                                max(0.5, left - margin))
+            return
         options = rounds_lib.CohortOptions(
             target, over_selection=(capacity - target) / target, quorum=1,
             deadline=max(0.5, left - margin),
@@ -228,6 +241,46 @@ class Edge:
         log.info("edge: round %s of the root is round %s here (target %s, %s seats)",
                  r["id"], local.id, target, capacity)
 
+    def _mirror_secure(self, upstream: int, folder: folding.Folder, plan: str, broadcast: str,
+                       target: int, capacity: int, deadline: float) -> None:
+        """Opens the secure round mirroring secure root round `upstream` (run by its edges):
+        SecAgg+ over this edge's clients, its share as cohort, at least `MIN_SECURE_GROUP`
+        of them (its quorum), stages timed as a single server's (a quarter of its time).
+        A share too small for a group, or moduli SecAgg+ cannot sum over it, is said and
+        not opened: the root counts its seats as dropouts."""
+        least = edges_lib.MIN_SECURE_GROUP
+        if capacity < least:
+            log.error("edge: not running secure round %s of the root: expected at least %d "
+                      "seats for this edge's SecAgg+ group, found %d; open rounds with more "
+                      "seats at the root, or revoke edges.", upstream, least, capacity)
+            return
+        goal = min(max(target, least), capacity)
+        options = rounds_lib.CohortOptions(
+            goal, over_selection=(capacity - goal) / goal, quorum=least, deadline=deadline,
+        )
+        try:
+            prepare = self.state.secure.prepare(folder.plan, options)
+        except protocol.BadRequest as e:
+            log.error("edge: not running secure round %s of the root: %s", upstream, e)
+            return
+        assert self.population is not None
+        local = self.upstream.open_secure(upstream, self.population, plan, broadcast, options,
+                                          folder.empty(), prepare)
+        log.info("edge: secure round %s of the root is secure round %s here (target %s, %s "
+                 "seats)", upstream, local.id, goal, capacity)
+
+    @staticmethod
+    def _secure_partial(r: rounds_lib.Round, aggregate: bytes, folder: folding.Folder) -> bytes:
+        """The partial of an ended local secure round. Closed: its aggregate, the group's
+        SecAgg+ sum folded with the same clients' plain reports (what a single server's
+        round holds), its clients that did not report counted as dropouts (a client in
+        the sum that missed the last stage is a report, not also a dropout). Failed: no
+        report at all (its plain reports arrived with masked inputs that were never
+        summed), its assigned clients counted as dropouts."""
+        if r.state == rounds_lib.FAILED:
+            return folder.encode_partial(folder.empty(), 0, r.assigned)
+        return folder.encode_partial(aggregate, r.reports, min(r.dropped, r.assigned - r.reports))
+
     def forward(self) -> int:
         """Forwards the partial of every mirrored round that ended and was not
         acknowledged; returns how many the root took."""
@@ -237,7 +290,10 @@ class Edge:
                 continue
             r, aggregate = self.state.rounds.aggregate(m.round)
             folder = self.state.verified.folder(r.plan)
-            body = folder.encode_partial(aggregate, r.reports, r.dropped)
+            if r.kind == rounds_lib.SECURE:
+                body = self._secure_partial(r, aggregate, folder)
+            else:
+                body = folder.encode_partial(aggregate, r.reports, r.dropped)
             try:
                 self.link.forward(m.upstream, body)
             except protocol.Gone:

@@ -28,7 +28,8 @@ class Link:
 
     def rounds(self, wait: float = 0.0) -> dict[str, Any]:
         """The edge's population, whether it is finished, the root's public key, and its
-        open plain rounds (`wait`: long poll until one is new to the edge)."""
+        open plain rounds and secure rounds run by edges (`wait`: long poll until one is new
+        to the edge)."""
         result: dict[str, Any] = self.conn.json(
             "GET", "/v1/edge/rounds", token=self.token, params={"wait": wait},
             timeout=60 + wait,

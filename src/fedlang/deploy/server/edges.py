@@ -1,5 +1,6 @@
 """The routes of edge aggregators, at the root: the admin makes and revokes edges'
-credentials; an edge, by its token, lists the open plain rounds of its population,
+credentials; an edge, by its token, lists the open plain rounds of its population (and
+its secure rounds, which its edges run: `store/edges.py`),
 joins one (its share: seats and a target), reads the round's blobs, and forwards its
 partial aggregate (`PartialUploads`, through the intake). See `store/edges.py`, and
 `deploy/edge/` for the edge's side."""
@@ -59,7 +60,8 @@ class ShareOut(pydantic.BaseModel):
 
 
 class EdgeRoundOut(pydantic.BaseModel):
-    """An open plain round as an edge sees it (and its share, once it joined)."""
+    """An open round as an edge sees it (and its share, once it joined); its plan says
+    whether it is secure."""
 
     id: int
     plan: str = pydantic.Field(description="The root-signed plan's blob.")
@@ -183,7 +185,8 @@ def _round_out(server: state_lib.ServerState, r: rounds_lib.Round,
 async def edge_rounds(
     auth: auth_lib.Bearer, server: State, wait: routing.Wait = 0.0
 ) -> EdgeRoundsOut:
-    """The open plain rounds of the edge's population; with `wait`, answers once there
+    """The open plain rounds of the edge's population, and its secure rounds run by its
+    edges; with `wait`, answers once there
     is one the edge has not joined, or after `wait` seconds (long polling)."""
     name, population = await concurrency.run_in_threadpool(edge, server, auth)
     loop = asyncio.get_running_loop()
@@ -203,7 +206,8 @@ async def edge_rounds(
 @router.post("/edge/rounds/{round_id}/join", tags=["edge"])
 def join_round(round_id: routing.RoundId, auth: auth_lib.Bearer, server: State) -> EdgeRoundOut:
     """The edge's share of an open plain round of its population (made on the first
-    call: seats and a target, each the round's divided by the population's edges)."""
+    call: seats and a target, each the round's divided by the population's edges), or
+    of a secure round its edges run (split evenly, at least 2 seats)."""
     name, population = edge(server, auth)
     r, share = server.edges.join(name, population, round_id)
     return _round_out(server, r, share)

@@ -68,6 +68,8 @@ def create(server: state_lib.ServerState, body: schemas.RoundIn) -> rounds_lib.R
     kind, on_create = rounds_lib.AGGREGATE, None
     if round_plan.secure:  # its secure inputs go only through SecAgg+
         kind, on_create = rounds_lib.SECURE, server.secure.prepare(round_plan, options)
+        if server.edges.check_secure(body.population, options):
+            on_create = None  # each edge runs SecAgg+ over its own clients (`store/edges.py`)
     signed = plans.sign(server, data)
     empty = folding.Folder(round_plan).empty()
     return server.rounds.create(

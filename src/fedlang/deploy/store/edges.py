@@ -13,6 +13,21 @@ round's aggregate counting its N reports, in one transaction, admitted as any up
 (`admission`: a replay of the same bytes changes nothing; other bytes are refused, 409).
 An edge that has not forwarded when the round ends is dropped, its seats counted as
 dropouts (`rounds.drop_edge_shares`).
+
+**Secure rounds** (a plan with secure aggregations) of a population that has edges
+(made, not revoked, when the round opens) are run by its edges, as in Bonawitz et al.,
+MLSys 2019: every seat goes to an edge (no client is assigned one at the root), the
+seats split evenly among the edges (`secure_share`), and each edge runs SecAgg+ over its
+own clients and forwards its group's sum folded with their plain reports, which the root
+merges like any partial. The merge is exact: a group of n seats sums its clients'
+inputs (wrapped to b bits) modulo 2^(b + ceil(log2 n)) (or modulo M), so its sum is their
+exact integer sum; the root adds the groups' sums in the round's accumulators (modulo
+2^64, or M) and reduces modulo the total count's modulus at the end (`ModularSum`), as
+one server and the simulation runtime do. The root has no SecAgg+ state for such a round
+(`rounds.RUN_BY_EDGES`) and learns only each group's sum; an edge learns only its
+group's. A group needs at least `MIN_SECURE_GROUP` clients (fewer would reveal a
+client's input to its edge): a round whose seats cannot give each edge that many is
+refused when it is opened (`check_secure`).
 """
 
 from __future__ import annotations
@@ -30,6 +45,15 @@ from fedlang.deploy.store import store as store_lib
 
 JOINED, FORWARDED, DROPPED = (admission.Assignment.ASSIGNED, admission.Assignment.REPORTED,
                               admission.Assignment.DROPPED)
+# The fewest clients an edge runs SecAgg+ over: the sum of one client is its input.
+MIN_SECURE_GROUP = 2
+
+
+def secure_share(total: int, edges: int, joined: int) -> int:
+    """The `joined`-th edge's part (0-based) of `total` seats (or reports) of a secure
+    round split evenly among `edges` edges: the parts differ by at most one, so the
+    smallest group is as large as it can be."""
+    return total // edges + (1 if joined < total % edges else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +75,11 @@ class Share:
 
 
 _SHARE_FIELDS = "round, edge, state, target, capacity, digest, reports, dropped"
+
+
+def _run_by_edges(tx: sql.Tx, round_id: int) -> bool:
+    """Whether secure round `round_id` is run by edges (no SecAgg+ state at the root)."""
+    return tx.one("SELECT 1 FROM secure_rounds WHERE round = ?", (round_id,)) is None
 
 
 def _share(tx: sql.Tx, round_id: int, edge: str) -> Share | None:
@@ -133,17 +162,45 @@ class Edges:
             )
         return str(row[0]), str(row[1])
 
+    def active(self, population: str) -> int:
+        """How many edges `population` has (not revoked)."""
+        with self.store.transaction() as tx:
+            return int(tx.one(
+                "SELECT COUNT(*) FROM edges WHERE population = ? AND revoked IS NULL",
+                (population,),
+            )[0])
+
+    def check_secure(self, population: str, options: rounds_lib.CohortOptions) -> bool:
+        """Whether a secure round of `population` opened now is run by its edges (it has
+        some); raises if its seats are too few for each edge's group.
+
+        Raises:
+          BadRequest: fewer than `MIN_SECURE_GROUP` seats for some edge.
+        """
+        edges = self.active(population)
+        if not edges:
+            return False
+        if options.capacity // edges < MIN_SECURE_GROUP:
+            raise protocol.BadRequest(
+                f"Expected at least {MIN_SECURE_GROUP} seats for each edge of population "
+                f"{population!r} ({edges} edges) in a secure round (each edge runs SecAgg+ over "
+                f"its own clients, and a group of one would show its client's input to the "
+                f"edge), found {options.capacity} seats in all; raise the target or the "
+                f"over-selection to at least {MIN_SECURE_GROUP * edges} seats, or revoke edges."
+            )
+        return True
+
     # -- rounds (the edge)
 
     def open_rounds(self, edge: str, population: str) -> list[tuple[rounds_lib.Round, Share | None]]:
-        """The open plain rounds of `population` (before their deadline), with this edge's
-        share of each it joined."""
+        """The open plain rounds of `population` (before their deadline), and its secure
+        rounds run by edges, with this edge's share of each it joined."""
         self.rounds.close_due()
         now = self.store.clock()
         with self.store.transaction() as tx:
             ids = [row[0] for row in tx.all(
-                "SELECT id FROM rounds WHERE population = ? AND state = ? AND kind = ?"
-                " AND deadline > ? ORDER BY id",
+                "SELECT id FROM rounds WHERE population = ? AND state = ?"
+                f" AND (kind = ? OR {rounds_lib.RUN_BY_EDGES}) AND deadline > ? ORDER BY id",
                 (population, rounds_lib.OPEN, rounds_lib.AGGREGATE, now),
             )]
             return [(self.rounds.round_in(tx, i), _share(tx, i, edge)) for i in ids]
@@ -164,10 +221,12 @@ class Edges:
             share = _share(tx, round_id, edge)
             if share is not None:
                 return r, share
-            if r.kind != rounds_lib.AGGREGATE:
+            secure = r.kind == rounds_lib.SECURE and _run_by_edges(tx, r.id)
+            if r.kind != rounds_lib.AGGREGATE and not secure:
                 raise protocol.Conflict(
-                    f"Expected a plain round for an edge to join, found round {r.id} of kind "
-                    f"'{r.kind}'; edges serve plain rounds only."
+                    f"Expected a plain round, or a secure round run by edges, for an edge to "
+                    f"join, found round {r.id} of kind '{r.kind}' run by the root (it was opened "
+                    "before the population had edges)."
                 )
             if r.state != rounds_lib.OPEN or r.deadline <= now:
                 raise protocol.Gone(f"Expected an open round, found round {r.id} {r.state}.")
@@ -175,13 +234,17 @@ class Edges:
                 "SELECT COUNT(*) FROM edges WHERE population = ? AND revoked IS NULL",
                 (population,),
             )[0]
-            capacity = min(math.ceil(r.capacity / max(1, edges)), r.capacity - r.assigned)
+            if secure:
+                capacity, target = self._secure_share(tx, r, max(1, edges))
+            else:
+                capacity = min(math.ceil(r.capacity / max(1, edges)), r.capacity - r.assigned)
             if capacity <= 0:
                 raise protocol.Conflict(
                     f"Expected a seat left in round {r.id}, found all {r.capacity} taken; the "
                     "edge waits for the next round.", reason="full",
                 )
-            target = min(math.ceil(r.target / max(1, edges)), capacity)
+            if not secure:
+                target = min(math.ceil(r.target / max(1, edges)), capacity)
             tx.run(
                 "INSERT INTO edge_shares (round, edge, state, target, capacity, joined)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
@@ -192,6 +255,25 @@ class Edges:
             share = _share(tx, round_id, edge)
             assert share is not None
             return self.rounds.round_in(tx, round_id), share
+
+    def _secure_share(self, tx: sql.Tx, r: rounds_lib.Round, edges: int) -> tuple[int, int]:
+        """(seats, target) of the next edge joining secure round `r` (split evenly).
+
+        Raises:
+          Conflict: fewer than `MIN_SECURE_GROUP` seats for it (edges were made after the
+            round opened, or its seats are gone).
+        """
+        joined = int(tx.one("SELECT COUNT(*) FROM edge_shares WHERE round = ?", (r.id,))[0])
+        capacity = min(secure_share(r.capacity, edges, joined), r.capacity - r.assigned)
+        if 0 < capacity < MIN_SECURE_GROUP:
+            raise protocol.Conflict(
+                f"Expected at least {MIN_SECURE_GROUP} seats for an edge's group in secure round "
+                f"{r.id}, found {capacity} left (its {r.capacity} seats split among {edges} "
+                "edges); the edge waits for the next round. Open rounds with more seats, or "
+                "revoke edges.", reason="full",
+            )
+        target = min(max(1, secure_share(r.target, edges, joined)), capacity)
+        return capacity, target
 
     def _round(self, tx: sql.Tx, round_id: int, population: str,
                lock: bool = True) -> rounds_lib.Round:

@@ -38,6 +38,13 @@ from fedlang.deploy.store import store as store_lib
 OPEN, CLOSED, FAILED = protocol.RoundState
 AGGREGATE, SECURE = protocol.TaskKind.AGGREGATE, protocol.TaskKind.SECURE
 ASSIGNED = admission.Assignment.ASSIGNED
+# A secure round of a population with edges is run by its edges, each over its own
+# clients (`edges.py`): it has no SecAgg+ state here (no `secure_rounds` row), no client
+# is assigned to it here, and it closes as a plain round does, by the edges' partials.
+RUN_BY_EDGES = (
+    f"(rounds.kind = '{SECURE.value}' AND NOT EXISTS"
+    " (SELECT 1 FROM secure_rounds s WHERE s.round = rounds.id))"
+)
 
 _ROUND_FIELDS = (
     "id, population, kind, state, plan, broadcast, target, capacity, quorum, deadline, created,"
@@ -433,12 +440,14 @@ class Rounds:
         return _round_of(row)
 
     def close_due(self) -> int:
-        """Closes or fails the open plain rounds whose deadline passed; returns how many.
-        (Secure rounds close by their stages: `secure.SecureRounds.close_due`.)"""
+        """Closes or fails the open plain rounds (and secure rounds run by edges) whose
+        deadline passed; returns how many. (Secure rounds close by their stages:
+        `secure.SecureRounds.close_due`.)"""
         now = self.store.clock()
         with self.store.transaction() as tx:
             due = [row[0] for row in tx.all(
-                "SELECT id FROM rounds WHERE state = ? AND deadline <= ? AND kind = ?",
+                f"SELECT id FROM rounds WHERE state = ? AND deadline <= ?"
+                f" AND (kind = ? OR {RUN_BY_EDGES})",
                 (OPEN, now, AGGREGATE),
             )]
         for round_id in due:
@@ -480,7 +489,8 @@ class Rounds:
             candidates = tx.all(
                 "SELECT id FROM rounds WHERE population = ? AND state = ? AND deadline > ?"
                 " AND assigned < capacity AND NOT EXISTS (SELECT 1 FROM assignments a"
-                " WHERE a.round = rounds.id AND a.client = ?) ORDER BY id",
+                f" WHERE a.round = rounds.id AND a.client = ?) AND NOT {RUN_BY_EDGES}"
+                " ORDER BY id",
                 (population, OPEN, now, client_id),
             )
             for (round_id,) in candidates:
