@@ -83,6 +83,7 @@ def _local_version(edge):
     return sessions[0].version if sessions and sessions[0].state == "open" else -1
 
 
+@pytest.mark.slow
 def test_a_session_through_two_edges_equals_one_server_and_the_process(
     tmp_path, server_factory, digits
 ):
@@ -205,7 +206,7 @@ def _session(url):
 
 @pytest.mark.slow
 def test_an_edge_killed_before_it_forwarded_restarts_and_forwards_each_report_once(
-    tmp_path, digits
+    db_url, tmp_path, digits
 ):
     dd, datasets = digits
     process = _fed_buff(dd, 2)
@@ -221,7 +222,7 @@ def test_an_edge_killed_before_it_forwarded_restarts_and_forwards_each_report_on
         state = process.fold(state, r, 0)
     reference, _ = process.apply(state)
 
-    root = ServerProcess(tmp_path / "root.db", tmp_path).start()
+    root = ServerProcess(db_url, tmp_path).start()  # the root on SQLite, then PostgreSQL
     edge = driver = None
     try:
         with deploy.Admin(root.url, root.admin_token) as admin:
