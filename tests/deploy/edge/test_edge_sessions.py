@@ -15,7 +15,6 @@ from fedlang import deploy
 from fedlang.deploy import protocol
 from fedlang.deploy.driver import buffered as buffered_driver
 from fedlang.deploy.plans import batch as batch_lib
-from fedlang.deploy.store import edge_sessions
 from fedlang.learning import algorithms
 
 from ..conftest import ServerProcess, wait_for
@@ -190,8 +189,11 @@ def test_a_resent_batch_is_a_replay_and_each_report_reaches_the_root_once(
         # a third report goes in batch 2, and the buffer's room limits a batch
         _one_task(clients[2])
         assert edge.sessions.sync() == 1
-        taken = edge_sessions.EdgeSessions(root.app_state.sessions).batches(sid)
-        assert [(b.batch, b.reports, b.stale) for b in taken] == [(1, 2, 0), (2, 1, 0)]
+        with httpx.Client(base_url=root.url, timeout=30) as h:
+            taken = h.get(f"/v1/admin/sessions/{sid}/edges",
+                          headers={"Authorization": f"Bearer {root.admin_token}"}).json()
+        assert [(b["edge"], b["batch"], b["reports"], b["stale"]) for b in taken] == [
+            ("east", 1, 2, 0), ("east", 2, 1, 0)]
     finally:
         for c in clients:
             c.close()

@@ -89,8 +89,9 @@ class Edge:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # buffered sessions: mirrored and forwarded in batches on a thread of their own
-        self.sessions = sessions_lib.Sessions(self.link, self.state, self._check_key,
-                                              lambda: self.population, poll)
+        self.sessions = sessions_lib.Sessions(
+            link_lib.Link(upstream, token, patience=patience, verify=verify), self.state,
+            self._check_key, lambda: self.population, poll)
 
     # -- life
 

@@ -70,7 +70,7 @@ class Sessions:
     """An edge's buffered sessions (see the module docstring).
 
     Args:
-      link: HTTP to the root.
+      link: HTTP to the root, its own (this thread's); closed by `stop`.
       state: the edge's server state (its store, key, verified plans).
       check_key: the root's pinned key, given a listing (raises `KeyMismatch`).
       population: the edge's population (known once the edge connected).
@@ -102,6 +102,7 @@ class Sessions:
         if self._thread is not None:
             self._thread.join(timeout=60)
             self._thread = None
+        self.link.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():

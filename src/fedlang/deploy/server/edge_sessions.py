@@ -47,6 +47,15 @@ class EdgeSessionsOut(pydantic.BaseModel):
     sessions: list[EdgeSessionOut]
 
 
+class BatchInfo(pydantic.BaseModel):
+    session: int
+    edge: str
+    batch: int
+    digest: str
+    reports: int
+    stale: int
+
+
 class BatchOut(pydantic.BaseModel):
     session: int
     batch: int
@@ -116,6 +125,14 @@ class BatchUploads:
 
     def count_refusal(self, reason: str, target: sessions_lib.Session) -> None:
         self.edge_sessions.count_refusal(reason, target.id)
+
+
+@router.get("/admin/sessions/{session_id}/edges", tags=["admin"])
+def session_batches(session_id: SessionId, auth: auth_lib.Bearer, server: State) -> list[BatchInfo]:
+    """The batches edges forwarded to a session: their reports accepted and stale."""
+    auth_lib.admin(server, auth)
+    server.sessions.session(session_id)  # 404 for an unknown session
+    return [BatchInfo(**b.to_json()) for b in _edge_sessions(server).batches(session_id)]
 
 
 @router.get("/edge/sessions", tags=["edge"])
