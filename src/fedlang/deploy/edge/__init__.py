@@ -6,4 +6,6 @@ and forwards one partial aggregate per round to the root (`edge.Edge`; the root'
 
 - `link.py`: HTTP to the root, by the edge's token.
 - `edge.py`: `Edge`, a `Server` and the thread that mirrors rounds and forwards partials.
+- `sessions.py`: buffered sessions: the thread that mirrors the root's sessions and
+  forwards its clients' reports in batches.
 """

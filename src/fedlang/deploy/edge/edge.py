@@ -43,6 +43,7 @@ from fedlang.core import signing
 from fedlang.deploy import protocol
 from fedlang.deploy.client import connection
 from fedlang.deploy.edge import link as link_lib
+from fedlang.deploy.edge import sessions as sessions_lib
 from fedlang.deploy.plans import folding
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.deploy.server import serve
@@ -96,6 +97,10 @@ class Edge:
         self.population: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # buffered sessions: mirrored and forwarded in batches on a thread of their own
+        self.sessions = sessions_lib.Sessions(
+            link_lib.Link(upstream, token, patience=patience, verify=verify), self.state,
+            self._check_key, lambda: self.population, poll)
 
     # -- life
 
@@ -157,8 +162,10 @@ class Edge:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, daemon=True, name="fedlang-edge")
         self._thread.start()
+        self.sessions.start()
 
     def _stop_sync(self) -> None:
+        self.sessions.stop()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)

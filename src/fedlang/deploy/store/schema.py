@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from fedlang.deploy.store import sql
 
-VERSION = 8
+VERSION = 10
 
 TABLES = [
     # What every mode shares (store.py).
@@ -109,6 +109,18 @@ TABLES = [
     # whether its partial was forwarded (and what the root answered).
     "CREATE TABLE IF NOT EXISTS upstream_rounds (upstream {int} PRIMARY KEY,"
     " round {int} NOT NULL UNIQUE, forwarded {real}, outcome TEXT NOT NULL DEFAULT '')",
+    # Buffered sessions through edges (edge_sessions.py, upstream_sessions.py): at the
+    # root, each batch of reports an edge forwarded to a session (its digest, by which a
+    # replay is recognized, and its counts); at an edge, which local session mirrors
+    # which session of the root, the reports forwarded so far, and the batch being sent.
+    "CREATE TABLE IF NOT EXISTS edge_batches (session {int} NOT NULL, edge TEXT NOT NULL,"
+    " batch {int} NOT NULL, digest TEXT NOT NULL, size {int} NOT NULL,"
+    " reports {int} NOT NULL, stale {int} NOT NULL, accepted {real} NOT NULL,"
+    " PRIMARY KEY (session, edge, batch))",
+    "CREATE TABLE IF NOT EXISTS upstream_sessions (upstream {int} PRIMARY KEY,"
+    " session {int} NOT NULL UNIQUE, batches {int} NOT NULL DEFAULT 0,"
+    " forwarded_through {int} NOT NULL DEFAULT 0, sending_through {int},"
+    " outcome TEXT NOT NULL DEFAULT '')",
     "CREATE TABLE IF NOT EXISTS buffered_reports (session {int} NOT NULL, seq {int} NOT NULL,"
     " client TEXT NOT NULL, version {int} NOT NULL, staleness {int} NOT NULL,"
     " digest TEXT NOT NULL, size {int} NOT NULL, data {blob} NOT NULL, accepted {real} NOT NULL,"
@@ -143,6 +155,11 @@ MIGRATIONS: dict[int, list[str]] = {
     # 7 -> 8: edge aggregators (`edges`, `edge_shares`, `upstream_rounds`, created as any
     # missing table).
     7: [],
+    # 8 -> 9: (another branch's tables; the lead renumbers at merge).
+    8: [],
+    # 9 -> 10: buffered sessions through edges (`edge_batches`, `upstream_sessions`,
+    # created as any missing table).
+    9: [],
 }
 
 

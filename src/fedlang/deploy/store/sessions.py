@@ -106,6 +106,11 @@ class Sessions:
         row = self.store.task_row(tx, "buffered_sessions", _FIELDS, session_id, "session", lock)
         return _session_of(row)
 
+    def session_in(self, tx: sql.Tx, session_id: int, lock: bool = False) -> Session:
+        """A session's row read in `tx` (`lock`: locked until `tx` ends, as its writers
+        lock it). Raises NotFound."""
+        return self._session(tx, session_id, lock)
+
     def session(self, session_id: int) -> Session:
         """A session's current row.
 
