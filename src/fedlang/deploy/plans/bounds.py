@@ -175,11 +175,15 @@ class Bounds:
 
 
 def _l2(arrays: Any) -> float:
+    # einsum, not np.dot: numpy's dot of a long vector goes to OpenBLAS, whose threads
+    # then spin for milliseconds after each call; between a server's reports that burned
+    # ~5 ms of CPU per 10^5-value check (56 us with einsum; bench/README.md, "Edge
+    # aggregators").
     total = 0.0
     with np.errstate(over="ignore", invalid="ignore"):
         for a in arrays:
             x = np.asarray(a, np.float64).ravel()
-            total += float(np.dot(x, x))
+            total += float(np.einsum("i,i->", x, x))
     return math.sqrt(total) if total < math.inf else math.inf
 
 
