@@ -1,11 +1,8 @@
 """Edge aggregators end to end: a root, two edges and their clients; the round's result
 equals one server's and the simulation runtime's."""
 
-import re
-import threading
 import time
 
-import httpx
 import jax
 import numpy as np
 import optax
@@ -17,8 +14,9 @@ from fedlang.core import context
 from fedlang.deploy.edge import edge as edge_lib
 from fedlang.learning import algorithms
 
-from ..conftest import Gated, ServerProcess, batch_sum, wait_for
+from ..conftest import Gated, batch_sum, wait_for
 from ..driver.test_context import _client_batches, _model_fn
+from .harness import RootAndEdges, local_round, status
 
 CLIENTS = [_client_batches(i) for i in range(6)]
 
@@ -73,11 +71,11 @@ def test_a_round_through_two_edges_equals_one_server_and_the_simulation(
         weights, rounds = run_round(root.url, root.admin_token, urls, client_threads)
         assert rounds[0].reports == 6
         with deploy.Admin(root.url, root.admin_token) as admin:
-            status = admin.status()
-            shares = admin.edge_shares(status["rounds"][0]["id"])
+            answer = admin.status()
+            shares = admin.edge_shares(answer["rounds"][0]["id"])
         assert [(s["edge"], s["state"], s["reports"]) for s in shares] == [
             ("east", "reported", 3), ("west", "reported", 3)]
-        assert status["reports"]["accepted"] == 6
+        assert answer["reports"]["accepted"] == 6
         for edge in edges:  # each edge folded its own three clients
             (r,) = edge.state.rounds.rounds()
             assert (r.state, r.reports) == ("closed", 3)
@@ -92,31 +90,6 @@ def test_a_round_through_two_edges_equals_one_server_and_the_simulation(
             edge.stop()
     assert_same(weights, one_server)
     assert_same(weights, process.get_model_weights(simulated))
-
-
-def _status(url):
-    with httpx.Client(base_url=url, timeout=10) as h:
-        try:
-            return h.get("/v1/status").json()
-        except (httpx.TransportError, ValueError):
-            return None
-
-
-def _local_round(url):
-    status = _status(url)
-    return status["rounds"][0] if status and status["rounds"] else None
-
-
-def _edge_process(tmp_path, name, root, token, *extra):
-    (tmp_path / name).mkdir()
-    edge = ServerProcess(tmp_path / name / "edge.db", tmp_path / name,
-                         extra_args=["--upstream", root.url, "--upstream-token", token, *extra])
-    edge.start()
-    return edge
-
-
-def _population_token(edge):
-    return re.findall(r"population pop token: (\S+)", edge.log.read_text())[-1]
 
 
 def _drive(url, admin_token, result, **options):
@@ -136,92 +109,58 @@ def _drive(url, admin_token, result, **options):
 def test_an_edge_killed_mid_round_restarts_and_forwards_every_report_it_acknowledged(
     db_url, tmp_path, client_threads
 ):
-    root = ServerProcess(db_url, tmp_path).start()  # the root on SQLite, then PostgreSQL
-    edges = []
     gates = [Gated(np.full((2, 3), i + 1)) for i in range(6)]
-    driver = None
-    try:
-        with deploy.Admin(root.url, root.admin_token) as admin:
-            admin.create_population("pop")
-            edges = [_edge_process(tmp_path, name, root, admin.create_edge(name, "pop"))
-                     for name in ("east", "west")]
-        east, west = edges
-        errors = [client_threads(deploy.Client(
-            (east if i < 3 else west).url, "pop", _population_token(east if i < 3 else west),
-            {"train": g}, max_tasks=1, patience=120, backoff=(0.05, 0.5)))
-            for i, g in enumerate(gates)]
-        result = {}
-        driver = threading.Thread(target=_drive, args=(root.url, root.admin_token, result),
-                                  kwargs={"target": 6, "deadline": 120})
-        driver.start()
-        wait_for(lambda: (r := _local_round(east.url)) and r["assigned"] == 3, "east's clients")
-        for g in gates[:2]:  # two of east's clients report, acknowledged by east only
-            g.release.set()
-        wait_for(lambda: _local_round(east.url)["reports"] == 2, "two reports at east")
-        east.kill()
-        for g in gates[2:]:  # the others finish while east is down; east's retry
-            g.release.set()
-        time.sleep(0.5)
-        east.start()
-        driver.join(timeout=180)
-        assert not driver.is_alive() and "error" not in result, result
-        want = sum(np.full((2, 3), i + 1, np.float32).sum(axis=0) for i in range(6))
-        np.testing.assert_allclose(result["value"], want)
-        assert result["rounds"][0].reports == 6
-        local = _local_round(east.url)
-        assert (local["state"], local["reports"]) == ("closed", 3)  # each report once
-        assert _status(root.url)["reports"]["accepted"] == 6
-        assert not any(errors)
-    finally:
-        for g in gates:
-            g.release.set()
-        if driver is not None:
-            driver.join(timeout=60)
-        for p in [*edges, root]:
-            p.kill()
+    with RootAndEdges(db_url, tmp_path) as d:  # the root on SQLite, then PostgreSQL
+        try:
+            east = d.east
+            errors = d.clients(client_threads, gates)
+            d.drive(_drive, target=6, deadline=120)
+            wait_for(lambda: (r := local_round(east.url)) and r["assigned"] == 3,
+                     "east's clients")
+            for g in gates[:2]:  # two of east's clients report, acknowledged by east only
+                g.release.set()
+            wait_for(lambda: local_round(east.url)["reports"] == 2, "two reports at east")
+            east.kill()
+            for g in gates[2:]:  # the others finish while east is down; east's retry
+                g.release.set()
+            time.sleep(0.5)
+            east.start()
+            result = d.join()
+            want = sum(np.full((2, 3), i + 1, np.float32).sum(axis=0) for i in range(6))
+            np.testing.assert_allclose(result["value"], want)
+            assert result["rounds"][0].reports == 6
+            local = local_round(east.url)
+            assert (local["state"], local["reports"]) == ("closed", 3)  # each report once
+            assert status(d.root.url)["reports"]["accepted"] == 6
+            assert not any(errors)
+        finally:
+            for g in gates:
+                g.release.set()
 
 
 @pytest.mark.slow
 def test_a_killed_ephemeral_edge_s_clients_are_dropouts_and_the_round_closes(
     tmp_path, client_threads
 ):
-    root = ServerProcess(tmp_path / "root.db", tmp_path).start()
-    edges = []
     gates = [Gated(np.full((2, 3), i + 1)) for i in range(6)]
-    driver = None
-    try:
-        with deploy.Admin(root.url, root.admin_token) as admin:
-            admin.create_population("pop")
-            east = _edge_process(tmp_path, "east", root, admin.create_edge("east", "pop"))
-            west = _edge_process(tmp_path, "west", root, admin.create_edge("west", "pop"),
-                                 "--ephemeral")
-            edges = [east, west]
-        errors = [client_threads(deploy.Client(
-            (east if i < 3 else west).url, "pop", _population_token(east if i < 3 else west),
-            {"train": g}, max_tasks=1, patience=5, backoff=(0.05, 0.5)))
-            for i, g in enumerate(gates)]
-        result = {}
-        driver = threading.Thread(target=_drive, args=(root.url, root.admin_token, result),
-                                  kwargs={"target": 6, "quorum": 3, "deadline": 20})
-        driver.start()
-        wait_for(lambda: (r := _local_round(west.url)) and r["assigned"] == 3, "west's clients")
-        west.kill()  # with its store: nothing of its clients reaches the root
-        for g in gates[:3]:
-            g.release.set()
-        driver.join(timeout=120)
-        assert not driver.is_alive() and "error" not in result, result
-        want = sum(np.full((2, 3), i + 1, np.float32).sum(axis=0) for i in range(3))
-        np.testing.assert_allclose(result["value"], want)
-        (r,) = _status(root.url)["rounds"]
-        assert (r["state"], r["reports"], r["dropped"]) == ("closed", 3, 3)
-        assert not any(errors[:3])
-    finally:
-        for g in gates:
-            g.release.set()
-        if driver is not None:
-            driver.join(timeout=60)
-        for p in [*edges, root]:
-            p.kill()
+    with RootAndEdges(tmp_path / "root.db", tmp_path, west_args=["--ephemeral"]) as d:
+        try:
+            errors = d.clients(client_threads, gates, patience=5)
+            d.drive(_drive, target=6, quorum=3, deadline=20)
+            wait_for(lambda: (r := local_round(d.west.url)) and r["assigned"] == 3,
+                     "west's clients")
+            d.west.kill()  # with its store: nothing of its clients reaches the root
+            for g in gates[:3]:
+                g.release.set()
+            result = d.join(timeout=120)
+            want = sum(np.full((2, 3), i + 1, np.float32).sum(axis=0) for i in range(3))
+            np.testing.assert_allclose(result["value"], want)
+            (r,) = status(d.root.url)["rounds"]
+            assert (r["state"], r["reports"], r["dropped"]) == ("closed", 3, 3)
+            assert not any(errors[:3])
+        finally:
+            for g in gates:
+                g.release.set()
 
 
 def test_an_edge_refuses_a_root_whose_key_is_not_the_one_it_pinned(tmp_path, server_factory):

@@ -5,7 +5,6 @@ integer sums of the clients' wrapped inputs: see docs/deploy.md, "Secure rounds 
 edges"); a share too small for a group is refused; an edge killed (-9) amid its
 clients' masked inputs goes on from its store."""
 
-import threading
 import time
 
 import httpx
@@ -18,8 +17,9 @@ from fedlang.core import context
 from fedlang.deploy import protocol
 from fedlang.deploy.store import edges as edges_store
 
-from ..conftest import ServerProcess, capture, secure_and_plain, wait_for
-from .test_edge import _edge_process, _local_round, _population_token, _status, make_edge
+from ..conftest import capture, secure_and_plain, wait_for
+from .harness import RootAndEdges, local_round, status
+from .test_edge import make_edge
 
 
 def _data(n, seed=0):
@@ -190,44 +190,26 @@ def test_an_edge_whose_group_fails_forwards_no_report_and_the_root_closes_with_t
 def test_an_edge_killed_amid_its_clients_masked_inputs_goes_on_and_loses_none_it_acknowledged(
     db_url, tmp_path, client_threads, gates
 ):
-    root = ServerProcess(db_url, tmp_path).start()  # the root on SQLite, then PostgreSQL
-    edges = []
-    driver = None
-    try:
-        with deploy.Admin(root.url, root.admin_token) as admin:
-            admin.create_population("pop")
-            edges = [_edge_process(tmp_path, name, root, admin.create_edge(name, "pop"))
-                     for name in ("east", "west")]
-        east, west = edges
+    with RootAndEdges(db_url, tmp_path) as d:  # the root on SQLite, then PostgreSQL
+        east = d.east
         gate = gates(east.url)  # east's clients' stage messages pass through it
         gate.hold(3)
-        errors = [client_threads(deploy.Client(
-            gate.url if i < 3 else west.url, "pop", _population_token(east if i < 3 else west),
-            {"train": batches}, max_tasks=1, patience=120, backoff=(0.05, 0.5)))
-            for i, batches in enumerate(CLIENTS)]
-        result = {}
-        driver = threading.Thread(target=_drive, args=(root.url, root.admin_token, result),
-                                  kwargs={"target": 6, "deadline": 120})
-        driver.start()
+        errors = d.clients(client_threads, CLIENTS,
+                           urls=[gate.url] * 3 + [d.west.url] * 3)
+        d.drive(_drive, target=6, deadline=120)
         wait_for(lambda: gate.waiting[3] == 3, "east's three masked inputs")
         gate.release(3, 2)  # two are acknowledged by east, in its store
-        wait_for(lambda: _local_round(east.url)["reports"] == 2, "two masked inputs at east")
+        wait_for(lambda: local_round(east.url)["reports"] == 2, "two masked inputs at east")
         east.kill()
         gate.release(3)  # the third meets a dead edge (502) and is retried
         time.sleep(0.5)
         east.start()
-        driver.join(timeout=180)
-        assert not driver.is_alive() and "error" not in result, result
+        result = d.join()
         _assert_equal(result["value"], _simulated(CLIENTS))
         assert result["rounds"][0].reports == 6
-        local = _local_round(east.url)  # each masked input once, the protocol finished
+        local = local_round(east.url)  # each masked input once, the protocol finished
         assert (local["kind"], local["state"], local["stage"], local["reports"]) == (
             "secure", "closed", 5, 3)
-        status = _status(root.url)
-        assert (status["rounds"][0]["state"], status["reports"]["accepted"]) == ("closed", 6)
+        answer = status(d.root.url)
+        assert (answer["rounds"][0]["state"], answer["reports"]["accepted"]) == ("closed", 6)
         assert not any(errors)
-    finally:
-        if driver is not None:
-            driver.join(timeout=60)
-        for p in [*edges, root]:
-            p.kill()

@@ -19,7 +19,8 @@ from fedlang.learning import algorithms
 
 from ..conftest import ServerProcess, wait_for
 from ..driver import test_buffered as buffered_tests
-from .test_edge import _edge_process, _population_token, _status, make_edge
+from .harness import edge_process, population_token, status
+from .test_edge import make_edge
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -202,8 +203,8 @@ def test_a_resent_batch_is_a_replay_and_each_report_reaches_the_root_once(
 
 
 def _session(url):
-    status = _status(url)
-    return status["sessions"][0] if status and status["sessions"] else None
+    answer = status(url)
+    return answer["sessions"][0] if answer and answer["sessions"] else None
 
 
 @pytest.mark.slow
@@ -229,7 +230,7 @@ def test_an_edge_killed_before_it_forwarded_restarts_and_forwards_each_report_on
     try:
         with deploy.Admin(root.url, root.admin_token) as admin:
             token = admin.create_population("pop")
-            edge = _edge_process(tmp_path, "east", root, admin.create_edge("east", "pop"))
+            edge = edge_process(tmp_path, "east", root, admin.create_edge("east", "pop"))
         driver = buffered_driver.BufferedDriver(process, root.url, root.admin_token, "pop",
                                                 patience=60)
         driver.start()  # the driver does not step yet: the root's buffer stays full
@@ -237,7 +238,7 @@ def test_an_edge_killed_before_it_forwarded_restarts_and_forwards_each_report_on
             with deploy.Client(root.url, "pop", token, {"train": ds}, backoff=(0.05, 0.2)) as c:
                 _one_task(c)
         wait_for(lambda: (s := _session(edge.url)) and s["version"] == 0, "the edge's session")
-        edge_token = _population_token(edge)
+        edge_token = population_token(edge)
         for ds in datasets[2:]:  # acknowledged by the edge, which cannot forward them
             with deploy.Client(edge.url, "pop", edge_token, {"train": ds},
                                backoff=(0.05, 0.2), patience=60) as c:
