@@ -271,8 +271,8 @@ class Edge:
             log.error("edge: not running secure round %s of the root: %s", upstream, e)
             return
         assert self.population is not None
-        local = self.upstream.open_secure(upstream, self.population, plan, broadcast, options,
-                                          folder.empty(), prepare)
+        local = self.upstream.open(upstream, self.population, plan, broadcast, options,
+                                   folder.empty(), prepare)
         log.info("edge: secure round %s of the root is secure round %s here (target %s, %s "
                  "seats)", upstream, local.id, goal, capacity)
 

@@ -6,8 +6,8 @@ and are folded exactly as at any server), opened with the root's plan and broadc
 with the edge's share of the root round as its cohort; its row here is written in the
 transaction that opens it, so a restarted edge finds every round it mirrors and
 forwards each that ended and was not acknowledged. A secure root round (run by its
-edges) is mirrored by a secure round of the edge's store (`open_secure`): its clients
-run SecAgg+ with the edge as with any server.
+edges) is mirrored by a secure round of the edge's store (`open` with `prepare`): its
+clients run SecAgg+ with the edge as with any server.
 """
 
 from __future__ import annotations
@@ -45,39 +45,23 @@ class Upstream:
         broadcast: str,
         options: rounds_lib.CohortOptions,
         empty_aggregate: bytes,
+        prepare: Callable[[sql.Tx, rounds_lib.Round], None] | None = None,
     ) -> rounds_lib.Round:
         """The edge's round mirroring root round `upstream`, opened now if new (with
-        `plan`, the edge's signed copy of the root's, and `options`, its share)."""
+        `plan`, the edge's signed copy of the root's, and `options`, its share). For a
+        secure root round run by its edges, `prepare` (`SecureRounds.prepare`'s, for
+        `options`) makes the edge's round a secure round of its own, its SecAgg+ state
+        written in the transaction that opens it."""
 
         def record(tx: sql.Tx, r: rounds_lib.Round) -> None:
+            if prepare is not None:
+                prepare(tx, r)
             tx.run("INSERT INTO upstream_rounds (upstream, round) VALUES (?, ?)", (upstream, r.id))
 
+        kind = rounds_lib.AGGREGATE if prepare is None else rounds_lib.SECURE
         return self.rounds.create(
             population, plan, broadcast, options, empty_aggregate,
-            request_id=f"upstream-round-{upstream}", on_create=record,
-        )
-
-    def open_secure(
-        self,
-        upstream: int,
-        population: str,
-        plan: str,
-        broadcast: str,
-        options: rounds_lib.CohortOptions,
-        empty_aggregate: bytes,
-        prepare: Callable[[sql.Tx, rounds_lib.Round], None],
-    ) -> rounds_lib.Round:
-        """As `open`, for a secure root round run by its edges: the edge's round is a
-        secure round of its own (`prepare`: `SecureRounds.prepare`'s, for `options`), its
-        SecAgg+ state written in the transaction that opens it."""
-
-        def record(tx: sql.Tx, r: rounds_lib.Round) -> None:
-            prepare(tx, r)
-            tx.run("INSERT INTO upstream_rounds (upstream, round) VALUES (?, ?)", (upstream, r.id))
-
-        return self.rounds.create(
-            population, plan, broadcast, options, empty_aggregate,
-            request_id=f"upstream-round-{upstream}", kind=rounds_lib.SECURE, on_create=record,
+            request_id=f"upstream-round-{upstream}", kind=kind, on_create=record,
         )
 
     def mirrors(self, pending: bool = False) -> list[Mirror]:
