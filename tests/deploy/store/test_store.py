@@ -107,3 +107,14 @@ def test_reads_in_a_reading_block_share_one_transaction_until_the_thread_writes(
         with pytest.raises(protocol.Unauthorized, match="unknown one"):
             store.authenticate(credential)  # ... and the reads after it see it
     assert seen == [True, False, False]  # the write, the later read, the block's reads
+
+
+def test_a_read_on_postgresql_is_statements_without_a_transaction_and_cannot_write(store):
+    store.put_blob(b"abc")
+    with store.transaction() as tx:
+        assert tx.one("SELECT COUNT(*) FROM blobs")[0] == 1
+        if store.dialect.name == "postgresql":  # READ COMMITTED: no BEGIN/COMMIT needed
+            assert tx.read_only and tx.conn.info.transaction_status.name == "IDLE"
+            with pytest.raises(RuntimeError, match="found a write"):
+                tx.run("DELETE FROM blobs")
+    assert store.has_blob(protocol.blob_hash(b"abc"))

@@ -176,6 +176,10 @@ class Store:
                 conn = self.dialect.connect()
                 with self._lock:
                     self._all.append(conn)
+            if not (write or self.dialect.read_transactions):
+                with self._statements(conn):
+                    yield sql.Tx(conn, self.dialect, read_only=True)
+                return
             try:
                 self.dialect.begin(conn, write)
                 yield sql.Tx(conn, self.dialect)
@@ -193,6 +197,20 @@ class Store:
             self._slots.release()
             if self.on_transaction is not None:
                 self.on_transaction(write, time.perf_counter() - start)
+
+    @contextlib.contextmanager
+    def _statements(self, conn: Any) -> Iterator[None]:
+        """Reads on `conn` as statements of their own (`Dialect.read_transactions`);
+        the connection goes back to the pool unless it broke."""
+        try:
+            yield
+        except BaseException:
+            if getattr(conn, "broken", False) or getattr(conn, "closed", False):
+                self._discard(conn)
+                raise
+            self._idle.put(conn)
+            raise
+        self._idle.put(conn)
 
     def _discard(self, conn: Any) -> None:
         with self._lock:
