@@ -278,7 +278,8 @@ def edge_tier(db: str, work: pathlib.Path, edges: int = 2) -> Iterator[tuple[Any
     """A root on database `db` and `edges` edge aggregators (bench/edges.py's `Process`,
     each with its own SQLite database; population 'pop'); yields (root, [edge])."""
     edges_bench.ROOT = deploy_bench.SRC.parent  # the sources the other servers run
-    made = [edges_bench.Process(db)]  # type: ignore[arg-type]  # a path or a URL
+    made = [edges_bench.Process(db, "--key-file",  # type: ignore[arg-type]  # or a URL
+                                str(work / "root.key"))]
     try:
         with edges_bench.deploy.Admin(made[0].url, edges_bench.ADMIN) as admin:
             admin.create_population("pop")
