@@ -3,7 +3,9 @@ processes against a plain FastAPI/uvicorn echo server, with the same clients, in
 same minutes.
 
 For each database (SQLite, PostgreSQL in a throwaway cluster), each number of server
-processes (1, 2: several `fedlang serve` on one PostgreSQL database, on their own ports)
+processes (1, 2: several `fedlang serve` on one PostgreSQL database, on their own ports;
+`edges`: a root and 2 edge aggregators, `fedlang serve --upstream ROOT`, each on its own
+SQLite database, half of the clients at each edge; bench/edges.py's processes)
 and each report size (8 KB, 80 KB, 800 KB, 8 MB: the float64 partial sums of float32
 updates of 10^3 .. 10^6 values), it opens one round of cohort `m`, enrolls and checks in `m` clients (not timed),
 then times `m` report uploads from `--procs` load processes (each an asyncio loop of
@@ -13,11 +15,15 @@ the same bytes to as many echo processes. The ratio is echo seconds / fedlang se
 (1.0: the server costs nothing beyond reading the bytes).
 
 The load processes are never the server's. Each row also gives the CPU seconds the load
-processes and the server processes spent: the generator is not the bottleneck when the
-echo runs faster than fedlang with the same generator (it then had idle time during
-fedlang's run).
+processes and the server processes spent (per report: the server processes' user +
+system CPU from /proc over the uploads; with edges, the root's and both edges', from the
+uploads' start to the root's close of the round): the generator is not the bottleneck
+when the echo runs faster than fedlang with the same generator (it then had idle time
+during fedlang's run). With edges, the uploads go to the edges (as many echo processes),
+and "close s" is how long after the last upload was acknowledged the root closed the
+round (the edges' forwarding of their partials).
 
-Run: python bench/load.py [--quick] [--db sqlite,postgresql] [--servers 1,2]
+Run: python bench/load.py [--quick] [--db sqlite,postgresql] [--servers 1,2,edges]
        [--sizes 8K,80K,800K,8M] [--concurrency 64] [--procs 2] [--src DIR]
 (results in bench/README.md, "Scaling")
 """
@@ -42,6 +48,8 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import edges as edges_bench  # (bench/edges.py: root and edge processes)
 
 import deploy as deploy_bench  # (bench/deploy.py: servers, echo, plans)
 
@@ -77,14 +85,18 @@ async def _put(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head:
 async def _upload_all(targets: list[tuple[str, int, str, str]], body: bytes,
                       concurrency: int) -> int:
     """Uploads `body` once per target (host, port, path, bearer) over `concurrency`
-    connections; returns how many were answered 200."""
-    queue: asyncio.Queue[tuple[str, int, str, str]] = asyncio.Queue()
+    connections, each to one server taking that server's targets (an edge knows only its
+    own clients); returns how many were answered 200."""
+    ports = sorted({(t[0], t[1]) for t in targets})
+    queues: dict[tuple[str, int], asyncio.Queue[tuple[str, int, str, str]]] = {
+        p: asyncio.Queue() for p in ports}
     for t in targets:
-        queue.put_nowait(t)
+        queues[t[0], t[1]].put_nowait(t)
     ok = 0
 
     async def worker(host: str, port: int) -> None:
         nonlocal ok
+        queue = queues[host, port]
         reader, writer = await asyncio.open_connection(host, port)
         try:
             while True:
@@ -103,7 +115,6 @@ async def _upload_all(targets: list[tuple[str, int, str, str]], body: bytes,
         finally:
             writer.close()
 
-    ports = sorted({(t[0], t[1]) for t in targets})
     await asyncio.gather(*(worker(*ports[i % len(ports)]) for i in range(concurrency)))
     return ok
 
@@ -262,16 +273,95 @@ def _wait_closed(url: str, round_id: int) -> None:
             pass
 
 
-def measure(db: str, n_servers: int, size: str, m: int, concurrency: int, procs: int,
+@contextlib.contextmanager
+def edge_tier(db: str, work: pathlib.Path, edges: int = 2) -> Iterator[tuple[Any, list[Any]]]:
+    """A root on database `db` and `edges` edge aggregators (bench/edges.py's `Process`,
+    each with its own SQLite database; population 'pop'); yields (root, [edge])."""
+    edges_bench.ROOT = deploy_bench.SRC.parent  # the sources the other servers run
+    made = [edges_bench.Process(db, "--key-file",  # type: ignore[arg-type]  # or a URL
+                                str(work / "root.key"))]
+    try:
+        with edges_bench.deploy.Admin(made[0].url, edges_bench.ADMIN) as admin:
+            admin.create_population("pop")
+            tokens = [admin.create_edge(f"edge{i}", "pop") for i in range(edges)]
+        for i, token in enumerate(tokens):
+            made.append(edges_bench.Process(work / f"edge{i}.db", "--upstream", made[0].url,
+                                            "--upstream-token", token))
+        yield made[0], made[1:]
+    finally:
+        for p in made:
+            p.stop()
+
+
+async def _prepare_edges(root: Any, edges: list[Any], plan: Any, broadcast: bytes, m: int
+                         ) -> tuple[int, list[tuple[str, int, str, str]]]:
+    """Enrolls `m` clients, half at each edge, opens a round of target `m` at the root,
+    waits until every edge mirrored it and checks each client in at its edge; returns the
+    round's id and the upload targets."""
+    creds: list[tuple[str, str]] = []
+    for i, edge in enumerate(edges):
+        with edges_bench.deploy.Admin(edge.url, edges_bench.ADMIN) as admin:
+            token = admin.rotate_token("pop")  # the edge made its population at start
+        share = m // len(edges) + (1 if i < m % len(edges) else 0)
+        creds += await edges_bench._enroll(edge.url, token, share)
+    with edges_bench.deploy.Admin(root.url, edges_bench.ADMIN) as admin:
+        round_id = admin.create_round("pop", admin.put_blob(plan.to_bytes()),
+                                      admin.put_blob(broadcast), target=m, deadline=3600)["id"]
+    clients = {e.url: httpx.AsyncClient(base_url=e.url, timeout=120) for e in edges}
+    try:
+        async def checkin(i: int) -> str:
+            url, credential = creds[i]
+            while True:
+                r = await clients[url].post("/v1/checkin",
+                                            headers={"Authorization": f"Bearer {credential}"})
+                task = r.json()["task"]
+                if task:  # the edge's mirror of the root's round
+                    return f"/v1/rounds/{task['round']}/report"
+                await asyncio.sleep(r.json()["retry_after"])
+
+        paths = await deploy_bench.gather(m, checkin)
+    finally:
+        for c in clients.values():
+            await c.aclose()
+    targets = []
+    for (url, cred), path in zip(creds, paths):
+        host, port = url.removeprefix("http://").split(":")
+        targets.append((host, int(port), path, cred))
+    return round_id, targets
+
+
+def _measure_edges(db: str, plan: Any, broadcast: bytes, report: bytes, m: int, concurrency: int,
+                   procs: int, work: pathlib.Path) -> tuple[dict[str, float], float, float]:
+    """(the load's result, all servers' CPU seconds, seconds from the last acknowledged
+    upload to the root's close) for root + 2 edges."""
+    with edge_tier(db, work) as (root, edges):
+        round_id, targets = asyncio.run(_prepare_edges(root, edges, plan, broadcast, m))
+        every = [root, *edges]
+        cpu0 = sum(p.cpu() for p in every)
+        fed = run_load(targets, report, concurrency, procs, work)
+        uploaded = time.monotonic()
+        _wait_closed(root.url, round_id)
+        closing = time.monotonic() - uploaded
+        return fed, sum(p.cpu() for p in every) - cpu0, closing
+
+
+def measure(db: str, n_servers: int | str, size: str, m: int, concurrency: int, procs: int,
             work: pathlib.Path) -> dict[str, Any]:
     plan, broadcast, report = deploy_bench.update_round(SIZES[size])
-    with servers(db, n_servers, work) as made:
-        urls = [u for u, _ in made]
-        round_id, targets = asyncio.run(_prepare(urls, plan, broadcast, m))
-        cpu0 = sum(cpu_seconds(pid) for _, pid in made)
-        fed = run_load(targets, report, concurrency, procs, work)
-        server_cpu = sum(cpu_seconds(pid) for _, pid in made) - cpu0
-        _wait_closed(urls[0], round_id)
+    closing, label = 0.0, str(n_servers)
+    if n_servers == "edges":
+        fed, server_cpu, closing = _measure_edges(db, plan, broadcast, report, m, concurrency,
+                                                  procs, work)
+        n_servers, label = 2, "root + 2 edges"  # as many echo processes as edges
+    else:
+        n_servers = int(n_servers)
+        with servers(db, n_servers, work) as made:
+            urls = [u for u, _ in made]
+            round_id, targets = asyncio.run(_prepare(urls, plan, broadcast, m))
+            cpu0 = sum(cpu_seconds(pid) for _, pid in made)
+            fed = run_load(targets, report, concurrency, procs, work)
+            server_cpu = sum(cpu_seconds(pid) for _, pid in made) - cpu0
+            _wait_closed(urls[0], round_id)
     with echoes(n_servers) as echo_urls:
         hosts = [u.removeprefix("http://").split(":") for u in echo_urls]
         spread = [(hosts[i % n_servers][0], int(hosts[i % n_servers][1]), "/echo", "x")
@@ -280,7 +370,7 @@ def measure(db: str, n_servers: int, size: str, m: int, concurrency: int, procs:
     mb = len(report) * m / 1e6
     return {
         "db": "PostgreSQL" if db.startswith("postgresql") else "SQLite",
-        "servers": n_servers, "size": size, "report_bytes": len(report), "reports": m,
+        "servers": label, "close_s": closing, "size": size, "report_bytes": len(report), "reports": m,
         "reports_per_s": m / fed["seconds"], "mb_per_s": mb / fed["seconds"],
         "echo_reports_per_s": m / echo["seconds"], "echo_mb_per_s": mb / echo["seconds"],
         "ratio": echo["seconds"] / fed["seconds"],
@@ -294,13 +384,18 @@ def _rate(x: float) -> str:
     return f"{x:.1f}" if x < 100 else f"{x:.0f}"
 
 
+def _closed(row: dict[str, Any]) -> str:
+    """With edges: how long after the last acknowledged upload the root closed the round."""
+    return f" (closed +{row['close_s']:.1f} s)" if row.get("close_s") else ""
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| db | servers | report | reports/s | MB/s | echo reports/s | echo MB/s | ratio "
              "| server CPU ms/report | load CPU s (fedlang / echo) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['db']} | {r['servers']} | {r['size']} | {_rate(r['reports_per_s'])} | "
+            f"| {r['db']} | {r['servers']}{_closed(r)} | {r['size']} | {_rate(r['reports_per_s'])} | "
             f"{r['mb_per_s']:.1f} | {_rate(r['echo_reports_per_s'])} | {r['echo_mb_per_s']:.1f} | "
             f"{r['ratio']:.2f} | {r['server_cpu_ms_per_report']:.2f} | "
             f"{r['load_cpu_s']:.1f} / {r['echo_load_cpu_s']:.1f} |")
@@ -311,8 +406,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="Fewer reports per run.")
     parser.add_argument("--db", default="sqlite,postgresql", help="sqlite, postgresql or both.")
-    parser.add_argument("--servers", default="1,2",
-                        help="Numbers of server processes (2 and more: PostgreSQL only).")
+    parser.add_argument("--servers", default="1,2,edges",
+                        help="Numbers of server processes (2 and more: PostgreSQL only), or "
+                        "'edges': a root (on the --db) and 2 edges (on SQLite).")
     parser.add_argument("--sizes", default=",".join(SIZES), help="Report sizes: 8K,80K,800K,8M.")
     parser.add_argument("--reports", type=int, default=0, help="Reports per run (0: by size).")
     parser.add_argument("--concurrency", type=int, default=64, help="Connections in all.")
@@ -330,8 +426,8 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         cluster = None
         for db_kind in args.db.split(","):
-            for n in (int(s) for s in args.servers.split(",")):
-                if db_kind == "sqlite" and n > 1:
+            for n in args.servers.split(","):
+                if db_kind == "sqlite" and n not in ("1", "edges"):
                     continue  # SQLite is one server process (its DB.lock)
                 for size in args.sizes.split(","):
                     tag = f"{db_kind}{n}_{size.lower()}"
@@ -340,7 +436,7 @@ def main() -> None:
                     else:
                         cluster = cluster or stack.enter_context(postgres_cluster())
                         db = new_database(cluster, f"load_{tag}")
-                    row = measure(db, n, size, args.reports or counts[size], args.concurrency,
+                    row = measure(db, n if n == "edges" else int(n), size, args.reports or counts[size], args.concurrency,
                                   args.procs, work)
                     rows.append(row)
                     print(json.dumps(row), flush=True)

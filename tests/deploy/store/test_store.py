@@ -92,3 +92,29 @@ def test_a_device_token_enrolls_one_client_of_its_population_once(store, token):
         store.device_tokens("nope", 1)
     with pytest.raises(ValueError, match="1 to 1000"):
         store.device_tokens("pop", 0)
+
+
+def test_reads_in_a_reading_block_share_one_transaction_until_the_thread_writes(store, token):
+    client_id, credential, _ = store.enroll("pop", token, 60.0)
+    seen: list[bool] = []
+    store.on_transaction = lambda write, seconds: seen.append(write)
+    with store.reading():
+        with store.transaction() as first, store.transaction() as second:
+            assert first is second
+        assert store.authenticate(credential) == (client_id, "pop")
+        assert seen == []  # nothing ended yet: one transaction holds the reads so far
+        store.revoke_client(client_id)  # a write is its own transaction ...
+        with pytest.raises(protocol.Unauthorized, match="unknown one"):
+            store.authenticate(credential)  # ... and the reads after it see it
+    assert seen == [True, False, False]  # the write, the later read, the block's reads
+
+
+def test_a_read_on_postgresql_is_statements_without_a_transaction_and_cannot_write(store):
+    store.put_blob(b"abc")
+    with store.transaction() as tx:
+        assert tx.one("SELECT COUNT(*) FROM blobs")[0] == 1
+        if store.dialect.name == "postgresql":  # READ COMMITTED: no BEGIN/COMMIT needed
+            assert tx.read_only and tx.conn.info.transaction_status.name == "IDLE"
+            with pytest.raises(RuntimeError, match="found a write"):
+                tx.run("DELETE FROM blobs")
+    assert store.has_blob(protocol.blob_hash(b"abc"))

@@ -140,24 +140,42 @@ async def take(
       ProtocolError: the refusal (counted, from reading the body on).
     """
     who = authenticate or auth_lib.client
-    client_id, population = await concurrency.run_in_threadpool(who, server, auth)
-    target, limit = await concurrency.run_in_threadpool(_find, uploads, task_id, slot)
+    # two hops to the thread pool (each costs a thread handoff): the caller and the
+    # task in one read transaction, then the admission, check and accept
+    client_id, population, target, limit = await concurrency.run_in_threadpool(
+        _find, server, auth, who, uploads, task_id, slot
+    )
     try:
         body = await read_limited(request, limit)
-        checked = await concurrency.run_in_threadpool(
-            _admit_and_check, uploads, target, Upload(client_id, population, slot, body)
+        return await concurrency.run_in_threadpool(
+            _admit_check_accept, uploads, target, Upload(client_id, population, slot, body)
         )
-        if checked is None:  # a replay
-            return False
-        return await concurrency.run_in_threadpool(_accept, uploads, target, checked)
     except protocol.ProtocolError as e:
         await concurrency.run_in_threadpool(uploads.count_refusal, e.reason, target)
         raise
 
 
-def _find(uploads: Uploads[T], task_id: int, slot: int) -> tuple[T, int]:
-    target = uploads.target(task_id)
-    return target, uploads.limit(target, slot)
+def _find(
+    server: state_lib.ServerState,
+    auth: security.HTTPAuthorizationCredentials | None,
+    who: Authenticate,
+    uploads: Uploads[T],
+    task_id: int,
+    slot: int,
+) -> tuple[str, str, T, int]:
+    """(uploader, population, task, limit), read in one transaction (`Store.reading`)."""
+    with server.store.reading():
+        client_id, population = who(server, auth)
+        target = uploads.target(task_id)
+    return client_id, population, target, uploads.limit(target, slot)
+
+
+def _admit_check_accept(uploads: Uploads[T], target: T, upload: Upload) -> bool:
+    """Admits, checks and accepts an upload; False for a replay."""
+    checked = _admit_and_check(uploads, target, upload)
+    if checked is None:  # a replay
+        return False
+    return _accept(uploads, target, checked)
 
 
 def _accept(uploads: Uploads[T], target: T, upload: Upload) -> bool:

@@ -35,7 +35,7 @@ class ReportUploads:
         return self.server.verified.folder(target.plan).max_report_bytes + (1 << 20)
 
     def precheck(self, target: rounds_lib.Round, upload: intake.Upload) -> bool:
-        return self.server.rounds.precheck(target.id, upload.client, upload.digest)
+        return self.server.rounds.precheck(target.id, upload.client, upload.digest, target)
 
     def check(self, target: rounds_lib.Round, upload: intake.Upload) -> Any:
         return self.server.verified.folder(target.plan).check(upload.body)

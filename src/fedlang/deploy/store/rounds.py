@@ -518,11 +518,12 @@ class Rounds:
 
     # -- reports
 
-    def precheck(self, round_id: int, client_id: str, digest: str) -> bool:
+    def precheck(self, round_id: int, client_id: str, digest: str, r: Round | None = None) -> bool:
         """Whether this exact report was already accepted (True: nothing to do); raises
-        what `accept` would for a report the round cannot take."""
+        what `accept` would for a report the round cannot take. `r`: the round's row as
+        the caller read it for this request (not read again; `accept` reads it locked)."""
         with self.store.transaction() as tx:
-            return self._admissible(tx, self.round_in(tx, round_id), client_id, digest)
+            return self._admissible(tx, r or self.round_in(tx, round_id), client_id, digest)
 
     def _admissible(self, tx: sql.Tx, r: Round, client_id: str, digest: str) -> bool:
         """Whether a report is a replay (see `admission.admit`), read in `tx`."""

@@ -126,6 +126,7 @@ class Store:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._all: list[Any] = []
         self._lock = threading.Lock()
+        self._reading = threading.local()  # this thread's shared read transaction (`reading`)
         self._rng = rng or random.Random()
         # Called with (write, seconds) after each transaction (the server's telemetry).
         self.on_transaction: Callable[[bool, float], None] | None = None
@@ -139,9 +140,33 @@ class Store:
     # -- connections and transactions
 
     @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Makes the read transactions this thread opens in the block one transaction:
+        one connection and one BEGIN/COMMIT for a request's reads (who the caller is,
+        its task), which then see one snapshot. A write transaction is always its own,
+        and once this thread wrote, its later reads in the block are their own too (so
+        they see what it wrote)."""
+        if getattr(self._reading, "tx", None) is not None:
+            yield
+            return
+        with self.transaction() as tx:
+            self._reading.tx = tx
+            try:
+                yield
+            finally:
+                self._reading.tx = None
+
+    @contextlib.contextmanager
     def transaction(self, write: bool = False) -> Iterator[sql.Tx]:
         """A transaction: committed if the block ends normally, rolled back otherwise;
-        `on_transaction` is told how long it took."""
+        `on_transaction` is told how long it took. A read transaction inside `reading`
+        is the block's."""
+        shared = getattr(self._reading, "tx", None)
+        if shared is not None:
+            if not write:
+                yield shared
+                return
+            self._reading.tx = None  # this thread's later reads see its write
         self._slots.acquire()
         start = time.perf_counter()
         try:
@@ -151,6 +176,10 @@ class Store:
                 conn = self.dialect.connect()
                 with self._lock:
                     self._all.append(conn)
+            if not (write or self.dialect.read_transactions):
+                with self._statements(conn):
+                    yield sql.Tx(conn, self.dialect, read_only=True)
+                return
             try:
                 self.dialect.begin(conn, write)
                 yield sql.Tx(conn, self.dialect)
@@ -168,6 +197,20 @@ class Store:
             self._slots.release()
             if self.on_transaction is not None:
                 self.on_transaction(write, time.perf_counter() - start)
+
+    @contextlib.contextmanager
+    def _statements(self, conn: Any) -> Iterator[None]:
+        """Reads on `conn` as statements of their own (`Dialect.read_transactions`);
+        the connection goes back to the pool unless it broke."""
+        try:
+            yield
+        except BaseException:
+            if getattr(conn, "broken", False) or getattr(conn, "closed", False):
+                self._discard(conn)
+                raise
+            self._idle.put(conn)
+            raise
+        self._idle.put(conn)
 
     def _discard(self, conn: Any) -> None:
         with self._lock:
