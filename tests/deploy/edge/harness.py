@@ -7,6 +7,7 @@ import threading
 import httpx
 
 from fedlang import deploy
+from fedlang.core import context
 
 from ..conftest import ServerProcess
 
@@ -38,6 +39,22 @@ def edge_process(tmp_path, name, root, token, *extra):
 def population_token(edge):
     """The population token an edge made at start (from its log)."""
     return re.findall(r"population pop token: (\S+)", edge.log.read_text())[-1]
+
+
+def run_driver(url, admin_token, result, computation, **options):
+    """`computation(client_data("train"))` in a deployment context of population "pop" at
+    `url`: its value in `result["value"]`, the rounds in `result["rounds"]`, or the error
+    in `result["error"]`."""
+    ctx = deploy.deployment_context(url, admin_token, "pop", patience=120, backoff=(0.05, 0.5),
+                                    **options)
+    try:
+        with context.with_context(ctx):
+            result["value"] = computation(deploy.client_data("train"))
+        result["rounds"] = ctx.rounds
+    except Exception as e:
+        result["error"] = e
+    finally:
+        ctx.runner.close()
 
 
 class RootAndEdges:
@@ -84,10 +101,11 @@ class RootAndEdges:
                 max_tasks=1, patience=patience, backoff=(0.05, 0.5))))
         return out
 
-    def drive(self, drive, **options):
-        """Runs `drive(root url, admin token, self.result, **options)` in a thread."""
+    def drive(self, computation, **options):
+        """Runs `computation` at the root (`run_driver`) in a thread."""
         self.driver = threading.Thread(
-            target=drive, args=(self.root.url, self.root.admin_token, self.result),
+            target=run_driver,
+            args=(self.root.url, self.root.admin_token, self.result, computation),
             kwargs=options)
         self.driver.start()
 

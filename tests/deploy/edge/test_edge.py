@@ -10,7 +10,6 @@ import pytest
 
 import fedlang as fl
 from fedlang import deploy
-from fedlang.core import context
 from fedlang.deploy.edge import edge as edge_lib
 from fedlang.learning import algorithms
 
@@ -92,19 +91,6 @@ def test_a_round_through_two_edges_equals_one_server_and_the_simulation(
     assert_same(weights, process.get_model_weights(simulated))
 
 
-def _drive(url, admin_token, result, **options):
-    ctx = deploy.deployment_context(url, admin_token, "pop", patience=120, backoff=(0.05, 0.5),
-                                    **options)
-    try:
-        with context.with_context(ctx):
-            result["value"] = batch_sum(deploy.client_data("train"))
-        result["rounds"] = ctx.rounds
-    except Exception as e:
-        result["error"] = e
-    finally:
-        ctx.runner.close()
-
-
 @pytest.mark.slow
 def test_an_edge_killed_mid_round_restarts_and_forwards_every_report_it_acknowledged(
     db_url, tmp_path, client_threads
@@ -114,7 +100,7 @@ def test_an_edge_killed_mid_round_restarts_and_forwards_every_report_it_acknowle
         try:
             east = d.east
             errors = d.clients(client_threads, gates)
-            d.drive(_drive, target=6, deadline=120)
+            d.drive(batch_sum, target=6, deadline=120)
             wait_for(lambda: (r := local_round(east.url)) and r["assigned"] == 3,
                      "east's clients")
             for g in gates[:2]:  # two of east's clients report, acknowledged by east only
@@ -146,7 +132,7 @@ def test_a_killed_ephemeral_edge_s_clients_are_dropouts_and_the_round_closes(
     with RootAndEdges(tmp_path / "root.db", tmp_path, west_args=["--ephemeral"]) as d:
         try:
             errors = d.clients(client_threads, gates, patience=5)
-            d.drive(_drive, target=6, quorum=3, deadline=20)
+            d.drive(batch_sum, target=6, quorum=3, deadline=20)
             wait_for(lambda: (r := local_round(d.west.url)) and r["assigned"] == 3,
                      "west's clients")
             d.west.kill()  # with its store: nothing of its clients reaches the root

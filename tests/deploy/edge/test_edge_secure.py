@@ -13,12 +13,11 @@ import pytest
 
 import fedlang as fl
 from fedlang import deploy
-from fedlang.core import context
 from fedlang.deploy import protocol
 from fedlang.deploy.store import edges as edges_store
 
 from ..conftest import capture, secure_and_plain, wait_for
-from .harness import RootAndEdges, local_round, status
+from .harness import RootAndEdges, local_round, run_driver, status
 from .test_edge import make_edge
 
 
@@ -130,19 +129,6 @@ def test_a_secure_round_with_too_few_seats_for_each_edge_is_refused_and_never_as
         assert checkin.get("task") is None, checkin
 
 
-def _drive(url, admin_token, result, **options):
-    ctx = deploy.deployment_context(url, admin_token, "pop", patience=120, backoff=(0.05, 0.5),
-                                    **options)
-    try:
-        with context.with_context(ctx):
-            result["value"] = secure_and_plain(deploy.client_data("train"))
-        result["rounds"] = ctx.rounds
-    except Exception as e:
-        result["error"] = e
-    finally:
-        ctx.runner.close()
-
-
 @pytest.mark.slow
 def test_an_edge_whose_group_fails_forwards_no_report_and_the_root_closes_with_the_other_group(
     tmp_path, server_factory, client_threads
@@ -166,7 +152,7 @@ def test_an_edge_whose_group_fails_forwards_no_report_and_the_root_closes_with_t
                    for (url, token), batches in list(zip(urls, CLIENTS))[2:]]
         errors = [client_threads(c) for c in clients]
         result = {}
-        _drive(root.url, root.admin_token, result, target=6, quorum=3, deadline=20)
+        run_driver(root.url, root.admin_token, result, secure_and_plain, target=6, quorum=3, deadline=20)
         assert "error" not in result, result
         _assert_equal(result["value"], _simulated(CLIENTS[3:]))
         r = result["rounds"][0].details
@@ -196,7 +182,7 @@ def test_an_edge_killed_amid_its_clients_masked_inputs_goes_on_and_loses_none_it
         gate.hold(3)
         errors = d.clients(client_threads, CLIENTS,
                            urls=[gate.url] * 3 + [d.west.url] * 3)
-        d.drive(_drive, target=6, deadline=120)
+        d.drive(secure_and_plain, target=6, deadline=120)
         wait_for(lambda: gate.waiting[3] == 3, "east's three masked inputs")
         gate.release(3, 2)  # two are acknowledged by east, in its store
         wait_for(lambda: local_round(east.url)["reports"] == 2, "two masked inputs at east")

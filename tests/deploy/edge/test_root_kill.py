@@ -7,9 +7,8 @@ import pytest
 
 from fedlang import deploy
 
-from ..conftest import Gated, wait_for
+from ..conftest import Gated, batch_sum, wait_for
 from .harness import RootAndEdges, local_round, status
-from .test_edge import _drive
 
 
 @pytest.mark.slow
@@ -21,7 +20,7 @@ def test_the_root_killed_mid_round_restarts_and_takes_every_edge_s_partial(
         try:
             root, west = d.root, d.west
             errors = d.clients(client_threads, gates)
-            d.drive(_drive, target=6, deadline=120)
+            d.drive(batch_sum, target=6, deadline=120)
             for edge in d.edges:
                 wait_for(lambda e=edge: (r := local_round(e.url)) and r["assigned"] == 3,
                          "each edge's clients")
