@@ -1,5 +1,6 @@
-"""A root `fedlang serve` and two edge processes (east and west) for the kill tests: the
-clients, the driver in a thread, and everything stopped at the end."""
+"""Edges for the tests: in-process edges of an in-process root (`make_edge`,
+`two_edges`), and a root `fedlang serve` with two edge processes (east and west) for the
+kill tests: the clients, the driver in a thread, and everything stopped at the end."""
 
 import re
 import threading
@@ -8,8 +9,25 @@ import httpx
 
 from fedlang import deploy
 from fedlang.core import context
+from fedlang.deploy.edge import edge as edge_lib
 
 from ..conftest import ServerProcess
+
+
+def make_edge(tmp_path, name, root_url, token, **options):
+    """An in-process edge `name` of the root at `root_url` (not connected, not started)."""
+    server = deploy.Server(db=tmp_path / f"{name}.db", port=0, key=tmp_path / f"{name}.key",
+                           pace=deploy.Pace(min_retry=0.05, max_retry=0.2), tick=0.05)
+    return edge_lib.Edge(server, root_url, token, poll=0.2, **options)
+
+
+def two_edges(tmp_path, root):
+    """Population "pop" at `root` (a started in-process server) and its in-process edges
+    east and west (`make_edge`)."""
+    with deploy.Admin(root.url, root.admin_token) as admin:
+        admin.create_population("pop")
+        tokens = [admin.create_edge(name, "pop") for name in ("east", "west")]
+    return [make_edge(tmp_path, name, root.url, t) for name, t in zip(("east", "west"), tokens)]
 
 
 def status(url):

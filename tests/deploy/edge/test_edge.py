@@ -15,15 +15,9 @@ from fedlang.learning import algorithms
 
 from ..conftest import Gated, batch_sum, wait_for
 from ..driver.test_context import _client_batches, _model_fn
-from .harness import RootAndEdges, local_round, status
+from .harness import RootAndEdges, local_round, make_edge, status, two_edges
 
 CLIENTS = [_client_batches(i) for i in range(6)]
-
-
-def make_edge(tmp_path, name, root_url, token, **options):
-    server = deploy.Server(db=tmp_path / f"{name}.db", port=0, key=tmp_path / f"{name}.key",
-                           pace=deploy.Pace(min_retry=0.05, max_retry=0.2), tick=0.05)
-    return edge_lib.Edge(server, root_url, token, poll=0.2, **options)
 
 
 def run_round(driver_url, admin_token, client_urls, client_threads, **options):
@@ -57,10 +51,7 @@ def test_a_round_through_two_edges_equals_one_server_and_the_simulation(
                               client_threads)
 
     root = server_factory(tmp_path / "root.db")
-    with deploy.Admin(root.url, root.admin_token) as admin:
-        admin.create_population("pop")
-        edge_tokens = [admin.create_edge(name, "pop") for name in ("east", "west")]
-    edges = [make_edge(tmp_path, name, root.url, t) for name, t in zip(("east", "west"), edge_tokens)]
+    edges = two_edges(tmp_path, root)
     try:
         urls = []
         for edge in edges:

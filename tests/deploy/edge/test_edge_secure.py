@@ -17,8 +17,7 @@ from fedlang.deploy import protocol
 from fedlang.deploy.store import edges as edges_store
 
 from ..conftest import capture, secure_and_plain, wait_for
-from .harness import RootAndEdges, local_round, run_driver, status
-from .test_edge import make_edge
+from .harness import RootAndEdges, local_round, run_driver, status, two_edges
 
 
 def _data(n, seed=0):
@@ -66,10 +65,7 @@ def test_a_secure_round_through_two_edges_equals_one_server_and_the_simulation(
     _assert_equal(one_server, want)
 
     root = server_factory(tmp_path / "root.db")
-    with deploy.Admin(root.url, root.admin_token) as admin:
-        admin.create_population("pop")
-        edge_tokens = [admin.create_edge(name, "pop") for name in ("east", "west")]
-    edges = [make_edge(tmp_path, name, root.url, t) for name, t in zip(("east", "west"), edge_tokens)]
+    edges = two_edges(tmp_path, root)
     try:
         urls = []
         for edge in edges:
@@ -136,10 +132,7 @@ def test_an_edge_whose_group_fails_forwards_no_report_and_the_root_closes_with_t
     # About 20 s: east's one client is too few for a group (its quorum, 2), so east's
     # SecAgg+ fails when stage 1 times out; the root closes at its deadline, at its quorum.
     root = server_factory(tmp_path / "root.db")
-    with deploy.Admin(root.url, root.admin_token) as admin:
-        admin.create_population("pop")
-        edge_tokens = [admin.create_edge(name, "pop") for name in ("east", "west")]
-    edges = [make_edge(tmp_path, name, root.url, t) for name, t in zip(("east", "west"), edge_tokens)]
+    edges = two_edges(tmp_path, root)
     clients = []
     try:
         urls = []

@@ -19,8 +19,7 @@ from fedlang.learning import algorithms
 
 from ..conftest import ServerProcess, wait_for
 from ..driver import test_buffered as buffered_tests
-from .harness import edge_process, population_token, status
-from .test_edge import make_edge
+from .harness import edge_process, make_edge, population_token, status, two_edges
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -103,10 +102,7 @@ def test_a_session_through_two_edges_equals_one_server_and_the_process(
         steps)
 
     root = server_factory(tmp_path / "root.db")
-    with deploy.Admin(root.url, root.admin_token) as admin:
-        admin.create_population("pop")
-        edge_tokens = [admin.create_edge(name, "pop") for name in ("east", "west")]
-    edges = [make_edge(tmp_path, name, root.url, t) for name, t in zip(("east", "west"), edge_tokens)]
+    edges = two_edges(tmp_path, root)
     try:
         clients = []
         for edge, mine in zip(edges, (datasets[:2], datasets[2:])):
