@@ -75,7 +75,7 @@ def serve(
         metavar="N", help="Also serve /metrics (Prometheus) without a token on 127.0.0.1:N (0: any free port).")]
     = None,
     upstream: Annotated[str | None, typer.Option(
-        metavar="URL", help="Run as an edge aggregator of this root server: serve its rounds to this server's clients and forward one partial aggregate per round.")]
+        metavar="URL", help="Run as an edge aggregator of this root server: serve its rounds and buffered sessions to this server's clients, forwarding one partial aggregate per round and batches of session reports.")]
     = None,
     upstream_token: Annotated[str | None, typer.Option(
         envvar="FEDLANG_UPSTREAM_TOKEN", metavar="TOKEN", help="The edge's token, made by the root's admin (POST /v1/admin/edges).")]

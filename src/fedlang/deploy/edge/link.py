@@ -1,5 +1,6 @@
 """An edge's HTTP to the root: its rounds, its shares, their blobs, and the partial
-aggregates it forwards, each with the edge's token (`server/edges.py` answers)."""
+aggregates it forwards (`server/edges.py` answers); its buffered sessions and the batches
+of reports it forwards (`server/edge_sessions.py`); each with the edge's token."""
 
 from __future__ import annotations
 
@@ -58,6 +59,27 @@ class Link:
         result: dict[str, Any] = self.conn.json(
             "PUT", f"/v1/edge/rounds/{round_id}/partial", token=self.token, content=body,
             headers={"Content-Type": protocol.BINARY},
+        )
+        return result
+
+    def sessions(self) -> dict[str, Any]:
+        """The edge's population, the root's public key, and its open buffered sessions."""
+        result: dict[str, Any] = self.conn.json("GET", "/v1/edge/sessions", token=self.token)
+        return result
+
+    def join_session(self, session_id: int) -> dict[str, Any]:
+        """A root session as the edge mirrors it (its plan, version, weights, buffer)."""
+        result: dict[str, Any] = self.conn.json(
+            "POST", f"/v1/edge/sessions/{session_id}/join", token=self.token
+        )
+        return result
+
+    def forward_batch(self, session_id: int, number: int, body: bytes) -> dict[str, Any]:
+        """Uploads batch `number` of reports of a root session, once (no retry: the edge
+        sends the same bytes again on its next pass)."""
+        result: dict[str, Any] = self.conn.json(
+            "PUT", f"/v1/edge/sessions/{session_id}/batches/{number}", token=self.token,
+            content=body, headers={"Content-Type": protocol.BINARY}, retry=False,
         )
         return result
 

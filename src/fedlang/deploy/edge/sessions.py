@@ -115,18 +115,13 @@ class Sessions:
                 log.exception("edge: a pass over the root's sessions failed; trying again")
             self._stop.wait(self.poll)
 
-    # -- HTTP
-
-    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        return self.link.conn.json(method, path, token=self.link.token, **kwargs)
-
     # -- one pass
 
     def sync(self) -> int:
         """One pass: mirrors new root sessions, follows their versions, closes ended
         ones, and forwards one batch per session; returns how many reports the root
         took."""
-        listing = self._json("GET", "/v1/edge/sessions")
+        listing = self.link.sessions()
         key = self.check_key(listing)
         listed = {int(s["id"]): s for s in listing["sessions"]}
         for m in self.upstream.mirrors(pending=True):
@@ -146,7 +141,7 @@ class Sessions:
     def _mirror(self, s: dict[str, Any], key: bytes) -> None:
         """Joins root session `s` and opens the local session mirroring it."""
         try:
-            joined = self._json("POST", f"/v1/edge/sessions/{s['id']}/join")
+            joined = self.link.join_session(int(s["id"]))
         except (protocol.Gone, protocol.NotFound) as e:
             log.info("edge: not joining session %s: %s", s["id"], e)
             return
@@ -188,10 +183,7 @@ class Sessions:
         body = batch_lib.encode([(r.version, r.data) for r in reports])
         number = m.batches + 1
         try:
-            answer = self.link.conn.json(
-                "PUT", f"/v1/edge/sessions/{upstream}/batches/{number}", token=self.link.token,
-                content=body, headers={"Content-Type": protocol.BINARY}, retry=False,
-            )
+            answer = self.link.forward_batch(upstream, number, body)
         except (protocol.Gone, protocol.Conflict, protocol.BadRequest, protocol.Forbidden) as e:
             log.error("edge: the root refused batch %s of session %s for good: %s",
                       number, upstream, e)

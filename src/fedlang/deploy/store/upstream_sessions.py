@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from fedlang.deploy.store import sessions as sessions_lib
+from fedlang.deploy.store import sql
 from fedlang.deploy.store import store as store_lib
 
 
@@ -72,8 +73,7 @@ class UpstreamSessions:
 
     def mirror(self, upstream: int) -> SessionMirror:
         with self.store.transaction() as tx:
-            return SessionMirror(*tx.one(
-                f"SELECT {_FIELDS} FROM upstream_sessions WHERE upstream = ?", (upstream,)))
+            return _mirror_in(tx, upstream)
 
     def advance(self, session_id: int, version: int, weights: str) -> None:
         """Moves the edge's session to the root's `version` (its weights by hash): its
@@ -95,8 +95,7 @@ class UpstreamSessions:
         at most `most` reports not forwarded yet (recorded before it is sent); its
         `sending_through` is None when there is nothing to send."""
         with self.store.transaction(write=True) as tx:
-            m = SessionMirror(*tx.one(
-                f"SELECT {_FIELDS} FROM upstream_sessions WHERE upstream = ?", (upstream,)))
+            m = _mirror_in(tx, upstream)
             if m.sending_through is not None or most <= 0:
                 return m
             s = self.sessions.session_in(tx, m.session, lock=True)
@@ -113,8 +112,7 @@ class UpstreamSessions:
         the edge's buffer in the same transaction."""
         now = self.store.clock()
         with self.store.transaction(write=True) as tx:
-            m = SessionMirror(*tx.one(
-                f"SELECT {_FIELDS} FROM upstream_sessions WHERE upstream = ?", (upstream,)))
+            m = _mirror_in(tx, upstream)
             if m.sending_through is None:
                 return
             tx.run("UPDATE upstream_sessions SET batches = batches + 1, forwarded_through = ?,"
@@ -133,3 +131,9 @@ class UpstreamSessions:
                    " WHERE upstream = ?", (outcome, upstream))
         if row is not None:
             self.sessions.close(int(row[0]))
+
+
+def _mirror_in(tx: sql.Tx, upstream: int) -> SessionMirror:
+    """The mirror of root session `upstream`, read in `tx`."""
+    return SessionMirror(*tx.one(
+        f"SELECT {_FIELDS} FROM upstream_sessions WHERE upstream = ?", (upstream,)))
