@@ -198,6 +198,57 @@ def test_a_resent_batch_is_a_replay_and_each_report_reaches_the_root_once(
         edge.stop()
 
 
+def test_the_session_routes_refuse_strangers_clients_other_populations_and_revoked_edges(
+    tmp_path, server_factory, digits
+):
+    dd, _ = digits
+    root = server_factory(tmp_path / "root.db")
+    with deploy.Admin(root.url, root.admin_token) as admin:
+        token = admin.create_population("pop")
+        admin.create_population("other")
+        east = admin.create_edge("east", "pop")
+        far = admin.create_edge("far", "other")  # an edge, of another population
+    driver = buffered_driver.BufferedDriver(_fed_buff(dd, 4), root.url, root.admin_token, "pop",
+                                            patience=60)
+    try:
+        driver.start()
+        sid = driver.session_id
+        body = batch_lib.encode([(0, b"not a report")])  # refused before it is read
+        with httpx.Client(base_url=root.url, timeout=30) as h:
+            client = h.post("/v1/populations/pop/enroll",
+                            headers={"Authorization": f"Bearer {token}"}).json()["credential"]
+
+            def calls(credential):
+                auth = {} if credential is None else {"Authorization": f"Bearer {credential}"}
+                return [
+                    h.get("/v1/edge/sessions", headers=auth),
+                    h.post(f"/v1/edge/sessions/{sid}/join", headers=auth),
+                    h.put(f"/v1/edge/sessions/{sid}/batches/1", content=body,
+                          headers={**auth, "Content-Type": protocol.BINARY}),
+                ]
+
+            # a stranger, a wrong token, an enrolled client of the population: not edges
+            for credential in (None, "nope", client):
+                assert [r.status_code for r in calls(credential)] == [401, 401, 401]
+            # an edge of another population sees no session and cannot reach this one
+            listing, joined, batch = calls(far)
+            assert listing.status_code == 200 and listing.json()["sessions"] == []
+            assert (joined.status_code, batch.status_code) == (404, 404)
+            # the edge's token is not the admin's
+            admin_route = h.get(f"/v1/admin/sessions/{sid}/edges",
+                                headers={"Authorization": f"Bearer {east}"})
+            assert admin_route.status_code == 401
+            listing, joined, _ = calls(east)  # the population's edge is let in ...
+            assert [s["id"] for s in listing.json()["sessions"]] == [sid]
+            assert joined.status_code == 200
+            with deploy.Admin(root.url, root.admin_token) as admin:
+                admin.revoke_edge("east")
+            assert [r.status_code for r in calls(east)] == [401, 401, 401]  # ... until revoked
+        assert root.app_state.sessions.session(sid).reports == 0  # nothing was taken
+    finally:
+        driver.close()
+
+
 def _session(url):
     answer = status(url)
     return answer["sessions"][0] if answer and answer["sessions"] else None
