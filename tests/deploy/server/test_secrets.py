@@ -1,11 +1,12 @@
 """No secret is kept in the clear in the task store (issue 23, item 3): the database
-holds the admin token, enrollment tokens and credentials as SHA-256 hashes only, and the
+holds the admin token, enrollment tokens, credentials (one by one or in bulk) and edges' tokens as SHA-256 hashes only, and the
 plan-signing key lives in a key file (mode 0600) outside it. What someone with a copy of
 the database can read is checked byte by byte, on a real `fedlang serve` process; a
 database an older fedlang wrote (token and key in the clear) is cleaned when it opens."""
 
 import base64
 import contextlib
+import json
 import os
 import sqlite3
 import stat
@@ -39,6 +40,14 @@ def test_a_copy_of_the_database_holds_no_secret(tmp_path, server_process):
     token = http.post(f"{API}/admin/populations", json={"name": "pop"}, headers=admin).json()["token"]
     enrolled = http.post(f"{API}/populations/pop/enroll", headers=bearer(token)).json()
     rotated = http.post(f"{API}/admin/populations/pop/token", json={}, headers=admin).json()["token"]
+    edge = http.post(f"{API}/admin/edges", json={"name": "east", "population": "pop"},
+                     headers=admin).json()["token"]
+    bulk = http.post(f"{API}/admin/populations/pop/clients:bulk", json={"count": 3},
+                     headers=admin)
+    assert bulk.status_code == 201, bulk.text
+    many = [json.loads(line)["credential"] for line in bulk.text.splitlines()
+            if "credential" in line]
+    assert len(many) == 3
     http.close()
     key_file = server.key_file
     assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
@@ -47,7 +56,7 @@ def test_a_copy_of_the_database_holds_no_secret(tmp_path, server_process):
         signing.load_private_key(private))
     server.kill()  # what is on disk now is what a backup holds
     data = _database_bytes(db)
-    for secret in (server.admin_token, token, rotated, enrolled["credential"]):
+    for secret in (server.admin_token, token, rotated, enrolled["credential"], edge, *many):
         assert secret.encode() not in data
     assert private not in data
     assert store_lib.secret_hash(enrolled["credential"]).encode() in data  # as a hash
