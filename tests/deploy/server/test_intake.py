@@ -8,6 +8,7 @@ which was not; `good(name)` is a valid upload of that client, `other`, `malforme
 `non_finite` variants of it."""
 
 import base64
+import threading
 import time
 
 import httpx
@@ -21,7 +22,7 @@ from fedlang.deploy import protocol, secagg
 from fedlang.deploy.plans import buffered as buffered_plan
 from fedlang.deploy.plans import execution, folding
 
-from ..conftest import POINT, capture, vector_sum
+from ..conftest import POINT, capture, vector_sum, wait_for
 from .conftest import Clock, bearer
 
 API = "/v1"
@@ -313,3 +314,68 @@ def test_a_report_that_would_make_the_aggregate_overflow_is_refused(db_url, serv
         assert np.all(np.isfinite(np.asarray(folding.Folder(h.plan).results(aggregate)[0])))
     finally:
         h.http.close()
+
+
+def test_reports_waiting_for_their_group_commit_hold_no_thread(server_factory):
+    # More reports wait for one commit than the thread pool has threads (40): they wait
+    # on the event loop, so the server still answers other requests meanwhile, and
+    # every one of them is taken once the commit goes through.
+    n = 48
+    server = server_factory(clock=Clock())
+    http = httpx.Client(base_url=server.url, timeout=30)
+    ok, admin = Harness.ok, bearer(server.admin_token)
+    plan, broadcast = capture(vector_sum, deploy.client_data("train"))
+    shards = server.app_state.shards
+    gate, held = threading.Event(), []
+    commit = shards._commit
+
+    def gated(batch):  # the writer's transaction, held until the test opens the gate
+        held.append(len(batch))
+        assert gate.wait(60), "the test did not open the gate"
+        return commit(batch)
+
+    def blob(data):
+        return ok(http.post(f"{API}/admin/blobs", content=data, headers=admin))["hash"]
+
+    try:
+        token = ok(http.post(f"{API}/admin/populations", json={"name": "pop"},
+                             headers=admin))["token"]
+        round_id = ok(http.post(f"{API}/admin/rounds", headers=admin, json={
+            "population": "pop", "plan": blob(plan.to_bytes()), "broadcast": blob(broadcast),
+            "target": n, "deadline": 600.0,
+        }))["id"]
+        credentials = []
+        for _ in range(n):
+            credential = ok(http.post(f"{API}/populations/pop/enroll",
+                                      headers=bearer(token)))["credential"]
+            task = ok(http.post(f"{API}/checkin", headers=bearer(credential)))
+            assert task["task"]["round"] == round_id, task
+            credentials.append(credential)
+        bodies = [execution.run_plan(plan, broadcast, {"train": [np.array([i, 1, 0], np.float32)]})
+                  for i in range(n)]
+        shards._commit = gated
+        answers = [None] * n
+
+        def upload(i):
+            with httpx.Client(base_url=server.url, timeout=90) as client:
+                answers[i] = client.put(f"{API}/rounds/{round_id}/report", content=bodies[i],
+                                        headers=bearer(credentials[i]))
+
+        threads = [threading.Thread(target=upload, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: held and held[0] + len(shards._waiting) == n,
+                 "every report waiting for the writer", timeout=60)
+        status = http.get(f"{API}/status", timeout=10)  # a route run on the thread pool
+        assert status.status_code == 200 and status.json()["reports"]["accepted"] == 0
+        gate.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert [a.status_code for a in answers] == [200] * n, [a.text for a in answers if a]
+        row, aggregate = server.app_state.rounds.aggregate(round_id)
+        assert (row.state, row.reports) == ("closed", n)
+        np.testing.assert_allclose(folding.Folder(plan).results(aggregate)[0],
+                                   [sum(range(n)), n, 0])
+    finally:
+        gate.set()
+        http.close()

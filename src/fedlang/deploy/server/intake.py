@@ -34,8 +34,11 @@ plan declares, a limit) is added here, once, not in the modes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any, Generic, Protocol, TypeVar
 
 import fastapi
@@ -97,8 +100,11 @@ class Uploads(Protocol, Generic[T]):
         """The plan's report bounds and the checked upload's report leaves by path (as
         the bounds name them); None when the upload holds no plain report."""
 
-    def accept(self, target: T, upload: Upload) -> bool:
-        """Accepts the checked upload in one transaction; False for a replay."""
+    def accept(self, target: T, upload: Upload) -> bool | futures.Future[bool]:
+        """Accepts the checked upload in one transaction; False for a replay. A mode
+        that commits uploads in groups (a round's reports: `store.shards`) answers a
+        future of that, resolved once its group is committed, which `take` awaits on
+        the event loop: the thread is free for the next upload meanwhile."""
 
     def count_refusal(self, reason: str, target: T) -> None:
         """Counts a refused upload (`refused:REASON`, and in the task)."""
@@ -147,9 +153,13 @@ async def take(
     )
     try:
         body = await read_limited(request, limit)
-        return await concurrency.run_in_threadpool(
+        accepted = await concurrency.run_in_threadpool(
             _admit_check_accept, uploads, target, Upload(client_id, population, slot, body)
         )
+        if isinstance(accepted, futures.Future):
+            with _as_bad_request():
+                return await asyncio.wrap_future(accepted)
+        return accepted
     except protocol.ProtocolError as e:
         await concurrency.run_in_threadpool(uploads.count_refusal, e.reason, target)
         raise
@@ -170,19 +180,25 @@ def _find(
     return client_id, population, target, uploads.limit(target, slot)
 
 
-def _admit_check_accept(uploads: Uploads[T], target: T, upload: Upload) -> bool:
-    """Admits, checks and accepts an upload; False for a replay."""
+def _admit_check_accept(
+    uploads: Uploads[T], target: T, upload: Upload
+) -> bool | futures.Future[bool]:
+    """Admits, checks and accepts an upload (or submits it: `Uploads.accept`); False
+    for a replay."""
     checked = _admit_and_check(uploads, target, upload)
     if checked is None:  # a replay
         return False
-    return _accept(uploads, target, checked)
+    with _as_bad_request():
+        return uploads.accept(target, checked)
 
 
-def _accept(uploads: Uploads[T], target: T, upload: Upload) -> bool:
-    """`uploads.accept`; a report that folding refuses (it would make the aggregate
-    overflow) is refused as a bad request, and its transaction leaves nothing changed."""
+@contextlib.contextmanager
+def _as_bad_request() -> Iterator[None]:
+    """folding's refusals as a bad request (400, with their reason): a report that is
+    malformed or out of bounds, or that would make the aggregate overflow (refused on
+    accepting it: its transaction left nothing changed)."""
     try:
-        return uploads.accept(target, upload)
+        yield
     except folding.ReportError as e:
         raise protocol.BadRequest(str(e), reason=e.reason) from e
 
@@ -192,11 +208,9 @@ def _admit_and_check(uploads: Uploads[T], target: T, upload: Upload) -> Upload |
     upload = dataclasses.replace(upload, digest=protocol.blob_hash(upload.body))
     if uploads.precheck(target, upload):
         return None
-    try:
+    with _as_bad_request():
         upload = dataclasses.replace(upload, checked=uploads.check(target, upload))
         bounded = uploads.bounded(target, upload)
         if bounded is not None:
             folding.check_bounds(*bounded)
-    except folding.ReportError as e:
-        raise protocol.BadRequest(str(e), reason=e.reason) from e
     return upload

@@ -5,6 +5,7 @@ their own routes (`secure.py`)."""
 
 from __future__ import annotations
 
+from concurrent import futures
 from typing import Any
 
 import fastapi
@@ -44,9 +45,9 @@ class ReportUploads:
         folder = self.server.verified.folder(target.plan)
         return folder.bounds, folder.leaves(upload.checked)
 
-    def accept(self, target: rounds_lib.Round, upload: intake.Upload) -> bool:
+    def accept(self, target: rounds_lib.Round, upload: intake.Upload) -> futures.Future[bool]:
         # folded in this process's shard of the round, committed with others waiting
-        return self.server.shards.accept(
+        return self.server.shards.submit(
             target.id, upload.client, upload.digest, len(upload.body), upload.checked
         )
 

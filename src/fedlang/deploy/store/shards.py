@@ -15,9 +15,10 @@ the same reports with the same guarantees at a fraction of the cost:
   shard (a report that would make the shard overflow is refused, 400 `overflow`),
   records its digest and its client's assignment, then writes each touched shard's row
   once, and commits. Each request is answered only after the commit that holds its
-  report: an acknowledged report is in the database (its digest, and the shard row
-  its value is folded into), so `kill -9` of the process loses none; a report not yet
-  committed was never acknowledged, and its client retries it.
+  report (it waits for `submit`'s future on the event loop, holding no thread): an
+  acknowledged report is in the database (its digest, and the shard row its value is
+  folded into), so `kill -9` of the process loses none; a report not yet committed was
+  never acknowledged, and its client retries it.
 * **the round's row** is read with a share lock (`Rounds.round_for_reports`: on
   PostgreSQL `FOR KEY SHARE`, which reports of one round take together, and which
   keeps only a close out) and never written by a report; its count is its row's plus
@@ -40,6 +41,7 @@ import dataclasses
 import secrets
 import threading
 from collections.abc import Callable
+from concurrent import futures
 from typing import Any
 
 from fedlang.deploy import protocol
@@ -57,7 +59,7 @@ class _Pending:
     digest: str
     size: int
     checked: Any
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    answer: futures.Future[bool] = dataclasses.field(default_factory=futures.Future)
     result: bool | BaseException | None = None
 
 
@@ -127,7 +129,17 @@ class ReportShards:
           Forbidden, Gone, Conflict: as `Rounds.accept`.
           ReportError: `overflow`: the report would make the round's aggregate overflow.
         """
+        return self.submit(round_id, client_id, digest, size, checked).result()
+
+    def submit(self, round_id: int, client_id: str, digest: str, size: int,
+               checked: Any) -> futures.Future[bool]:
+        """`accept`'s answer to come: the report waits for the writer, and the future is
+        resolved (or fails, as `accept` raises) once the transaction that holds it has
+        committed. The caller waits without holding a thread (`intake.take` awaits it on
+        the event loop), so the reports waiting for one commit are not capped by the
+        thread pool. Cancelling the future does not withdraw the report."""
         pending = _Pending(round_id, client_id, digest, size, checked)
+        pending.answer.set_running_or_notify_cancel()  # from now on it cannot be cancelled
         with self._cond:
             if self._closed:
                 raise RuntimeError("The server is stopping; send the report again.")
@@ -137,10 +149,7 @@ class ReportShards:
                                                  name="fedlang-report-writer")
                 self._thread.start()
             self._cond.notify()
-        pending.done.wait()
-        if isinstance(pending.result, BaseException):
-            raise pending.result
-        return bool(pending.result)
+        return pending.answer
 
     def close(self) -> None:
         """Commits what is waiting, then stops the writer."""
@@ -175,7 +184,10 @@ class ReportShards:
                     if round_id in close or self._reached(round_id):
                         self.rounds.close_if_done(round_id)
             for p in batch:
-                p.done.set()
+                if isinstance(p.result, BaseException):
+                    p.answer.set_exception(p.result)
+                else:
+                    p.answer.set_result(bool(p.result))
 
     def _commit(self, batch: list[_Pending]) -> tuple[set[int], set[int]]:
         """Takes `batch` in one transaction (see the module docstring); sets each
