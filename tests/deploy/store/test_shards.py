@@ -203,3 +203,21 @@ def test_a_round_closes_when_two_processes_commit_its_last_reports_at_once(
     row, aggregate = rounds.aggregate(r.id)  # neither group saw the other's report
     assert (row.state, row.reports) == ("closed", 2)
     np.testing.assert_allclose(folder.results(aggregate)[0], [1, 1, 0])
+
+
+def test_a_rounds_count_reads_its_shards_counts_from_an_index_not_their_data(
+    rounds, shards, store, folder, token, sum_round
+):
+    # SQLite stores a shard's `data` before its `reports`: reading the count from the row
+    # would walk the whole aggregate (1.4 ms for an 8 MB one) on every round lookup.
+    if store.dialect.name == "postgresql":
+        pytest.skip("PostgreSQL keeps large values out of the row (TOAST)")
+    r = open_round(rounds, folder, target=2)
+    (a, _) = assigned(rounds, store, token, 2)
+    assert take(shards, folder, r.id, a, report(sum_round, [1, 2, 3])) is True
+    assert rounds.round(r.id).reports == 1
+    with store.transaction() as tx:
+        plan = [row[3] for row in tx.all(
+            f"EXPLAIN QUERY PLAN SELECT {rounds_lib._ROUND_FIELDS} FROM rounds WHERE id = ?",
+            (r.id,))]
+    assert any("COVERING INDEX aggregate_shards_reports" in step for step in plan), plan

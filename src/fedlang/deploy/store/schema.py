@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from fedlang.deploy.store import sql
 
-VERSION = 10
+VERSION = 11
 
 TABLES = [
     # What every mode shares (store.py).
@@ -64,6 +64,10 @@ TABLES = [
     # its last commit; merged into `aggregates` when the round closes.
     "CREATE TABLE IF NOT EXISTS aggregate_shards (round {int} NOT NULL, shard TEXT NOT NULL,"
     " data {blob} NOT NULL, reports {int} NOT NULL, PRIMARY KEY (round, shard))",
+    # A round's count (`rounds._ROUND_FIELDS`) sums its shards' `reports` from this index:
+    # SQLite stores `data` first, so reading `reports` from the row would walk the whole
+    # blob (1.4 ms per read of an 8 MB shard).
+    "CREATE INDEX IF NOT EXISTS aggregate_shards_reports ON aggregate_shards (round, reports)",
     # Secure rounds (secure.py): the SecAgg+ server state and each stage's requests.
     "CREATE TABLE IF NOT EXISTS secure_rounds (round {int} PRIMARY KEY, stage {int} NOT NULL,"
     " stage_timeout {real} NOT NULL, stage_deadline {real} NOT NULL,"
@@ -160,6 +164,9 @@ MIGRATIONS: dict[int, list[str]] = {
     # 9 -> 10: buffered sessions through edges (`edge_batches`, `upstream_sessions`,
     # created as any missing table).
     9: [],
+    # 10 -> 11: the index of the shards' report counts (`aggregate_shards_reports`,
+    # created as any missing index).
+    10: [],
 }
 
 
