@@ -160,6 +160,22 @@ def wait_for(predicate, what, timeout=120.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def run_driver(url, admin_token, result, computation, **options):
+    """`computation(client_data("train"))` in a deployment context of population "pop" at
+    `url`: its value in `result["value"]`, the rounds in `result["rounds"]`, or the error
+    in `result["error"]`."""
+    ctx = deploy.deployment_context(url, admin_token, "pop", patience=120, backoff=(0.05, 0.5),
+                                    **options)
+    try:
+        with context.with_context(ctx):
+            result["value"] = computation(deploy.client_data("train"))
+        result["rounds"] = ctx.rounds
+    except Exception as e:
+        result["error"] = e
+    finally:
+        ctx.runner.close()
+
+
 class ServerProcess:
     """`fedlang serve` as a process (to kill -9 and restart on the same database)."""
 

@@ -15,7 +15,7 @@ import pytest
 from fedlang import deploy
 from fedlang.core import context
 
-from .conftest import ROOT, Gated, batch_sum, wait_for
+from .conftest import ROOT, Gated, batch_sum, run_driver, wait_for
 
 
 def _round(url, token):
@@ -41,19 +41,8 @@ def test_a_killed_server_restarts_and_counts_every_report_once(
     errors = [client_threads(c) for c in clients]
     result = {}
 
-    def drive():
-        ctx = deploy.deployment_context(server.url, server.admin_token, "pop", target=n,
-                                        patience=120, backoff=(0.05, 0.5))
-        try:
-            with context.with_context(ctx):
-                result["value"] = batch_sum(deploy.client_data("train"))
-            result["rounds"] = ctx.rounds
-        except Exception as e:
-            result["error"] = e
-        finally:
-            ctx.runner.close()
-
-    driver = threading.Thread(target=drive)
+    driver = threading.Thread(target=run_driver, args=(server.url, server.admin_token, result,
+                                                       batch_sum), kwargs={"target": n})
     driver.start()
     try:
         wait_for(lambda: (r := _round(server.url, token)) and r["assigned"] == n, "assignments")

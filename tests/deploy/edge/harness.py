@@ -8,10 +8,9 @@ import threading
 import httpx
 
 from fedlang import deploy
-from fedlang.core import context
 from fedlang.deploy.edge import edge as edge_lib
 
-from ..conftest import ServerProcess
+from ..conftest import ServerProcess, run_driver
 
 
 def make_edge(tmp_path, name, root_url, token, **options):
@@ -57,22 +56,6 @@ def edge_process(tmp_path, name, root, token, *extra):
 def population_token(edge):
     """The population token an edge made at start (from its log)."""
     return re.findall(r"population pop token: (\S+)", edge.log.read_text())[-1]
-
-
-def run_driver(url, admin_token, result, computation, **options):
-    """`computation(client_data("train"))` in a deployment context of population "pop" at
-    `url`: its value in `result["value"]`, the rounds in `result["rounds"]`, or the error
-    in `result["error"]`."""
-    ctx = deploy.deployment_context(url, admin_token, "pop", patience=120, backoff=(0.05, 0.5),
-                                    **options)
-    try:
-        with context.with_context(ctx):
-            result["value"] = computation(deploy.client_data("train"))
-        result["rounds"] = ctx.rounds
-    except Exception as e:
-        result["error"] = e
-    finally:
-        ctx.runner.close()
 
 
 class RootAndEdges:

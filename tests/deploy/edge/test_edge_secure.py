@@ -16,8 +16,8 @@ from fedlang import deploy
 from fedlang.deploy import protocol
 from fedlang.deploy.store import edges as edges_store
 
-from ..conftest import capture, secure_and_plain, wait_for
-from .harness import RootAndEdges, local_round, run_driver, status, two_edges
+from ..conftest import capture, run_driver, secure_and_plain, wait_for
+from .harness import RootAndEdges, local_round, status, two_edges
 
 
 def _data(n, seed=0):
