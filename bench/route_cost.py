@@ -182,8 +182,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,64", help="Connections in all, per run.")
     parser.add_argument("--size", default="80K", choices=list(load.SIZES))
     args = parser.parse_args()
-    plan, broadcast, report = deploy_bench.update_round(load.SIZES[args.size])
-    del plan, broadcast
+    _, _, report = deploy_bench.update_round(load.SIZES[args.size])
     print(f"{args.size} uploads ({len(report)} bytes), {args.uploads} per row, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     print("| connections | variant | uploads/s | ratio to the echo | server CPU ms/upload |")
