@@ -51,8 +51,10 @@ from fedlang import deploy
 from fedlang.core import context
 from fedlang.deploy import protocol
 from fedlang.deploy.driver import admin as admin_lib
+from fedlang.deploy.plans import execution, folding
 from fedlang.deploy.store import bulk
 from fedlang.deploy.store import rounds as rounds_lib
+from fedlang.deploy.store import shards as shards_lib
 from fedlang.deploy.store import store as store_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -210,7 +212,13 @@ def fleet_row(n: int, target: int, rounds: int, rate: float, deadline: float,
     store = store_lib.Store(work / f"fleet{n}-{deadline:g}.db", clock=clock,
                             pace=store_lib.Pace(checkins_per_second=rate),
                             rng=random.Random(seed + 1))
-    rr = rounds_lib.Rounds(store)
+    # reports taken as the server takes them: by the shards, with a real round's folder
+    plan, broadcast = small_round()
+    folder = folding.Folder(plan)
+    body = execution.run_plan(plan, broadcast, {"train": [np.ones(3, np.float32)]})
+    checked = folder.check(body)
+    rr = rounds_lib.Rounds(store, lambda _: folder)
+    writer = shards_lib.ReportShards(rr)
     store.create_population("pop")
     ids: list[str] = []
     bulk.enroll_bulk(store, "pop", n, 1e9, lambda made: ids.extend(i for i, _ in made))
@@ -234,7 +242,7 @@ def fleet_row(n: int, target: int, rounds: int, rate: float, deadline: float,
         t, _, kind, what = heapq.heappop(events)
         clock.now = t
         if kind == "open":
-            current = rr.create("pop", "plan", "broadcast", options, b"").id
+            current = rr.create("pop", "plan", "broadcast", options, folder.empty()).id
         elif kind == "checkin":
             times.append(t)
             got = rr.checkin(ids[what], "pop")
@@ -246,12 +254,13 @@ def fleet_row(n: int, target: int, rounds: int, rate: float, deadline: float,
         else:
             device, round_id = what
             with contextlib.suppress(protocol.Gone):  # over-selected, too late
-                rr.accept(round_id, ids[device], f"d{device}", 1, bytes)
+                writer.accept(round_id, ids[device], protocol.blob_hash(body), len(body), checked)
             if round_id == current and rr.round(round_id).state != "open":
                 closed, current = closed + 1, None
                 at(t + 0.1, "open", None)
             at(t, "checkin", device)
     seconds = time.perf_counter() - start
+    writer.close()
     store.close()
     counts = [selected[d] for d in range(n)]
     p = sum(counts) / (n * rounds)

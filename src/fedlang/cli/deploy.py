@@ -239,7 +239,7 @@ def _edge(server: Any, upstream: str, token: str, key: str | None) -> Any:
     """The edge aggregator serving `server`'s clients for the root at `upstream`, after
     its first contact; prints its population's token when made now."""
     from fedlang.deploy import protocol
-    from fedlang.deploy.edge import edge as edge_lib
+    from fedlang.deploy.edge import sync as edge_lib
     try:  # the root unreachable (ServerUnavailable is an OSError), the token refused, a bad key
         pinned = None if key is None else base64.b64decode(key, validate=True)
         edge = edge_lib.Edge(server, upstream, token, upstream_key=pinned)

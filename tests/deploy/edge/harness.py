@@ -8,7 +8,7 @@ import threading
 import httpx
 
 from fedlang import deploy
-from fedlang.deploy.edge import edge as edge_lib
+from fedlang.deploy.edge import sync as edge_lib
 
 from ..conftest import ServerProcess, run_driver
 

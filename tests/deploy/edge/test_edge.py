@@ -10,7 +10,7 @@ import pytest
 
 import fedlang as fl
 from fedlang import deploy
-from fedlang.deploy.edge import edge as edge_lib
+from fedlang.deploy.edge import sync as edge_lib
 from fedlang.learning import algorithms
 
 from ..conftest import Gated, batch_sum, wait_for
@@ -69,7 +69,7 @@ def test_a_round_through_two_edges_equals_one_server_and_the_simulation(
         for edge in edges:  # each edge folded its own three clients
             (r,) = edge.state.rounds.rounds()
             assert (r.state, r.reports) == ("closed", 3)
-            assert [m.outcome for m in edge.upstream.mirrors()] == ["accepted"]
+            assert [m.outcome for m in edge.mirrors.all()] == ["accepted"]
         with deploy.Admin(root.url, root.admin_token) as admin:
             admin.finish_population("pop")  # the edges' clients are told so too
         for edge in edges:

@@ -80,11 +80,12 @@ def test_a_secure_round_through_two_edges_equals_one_server_and_the_simulation(
             shares = admin.edge_shares(r["id"])
         assert [(s["edge"], s["state"], s["capacity"], s["reports"]) for s in shares] == [
             ("east", "reported", 3, 3), ("west", "reported", 3, 3)]
-        # The root ran no SecAgg+ and assigned no client: what it holds of the round is
-        # the two groups' partials, merged.
+        # The root ran no SecAgg+ and assigned no client (its seats are the edges'): what
+        # it holds of the round is the two groups' partials, merged.
         with root.app_state.store.transaction() as tx:
             assert tx.all("SELECT * FROM secure_rounds") == []
-            assert tx.all("SELECT * FROM assignments") == []
+            assert tx.all("SELECT client, seats FROM assignments ORDER BY client") == [
+                ("edge:east", 3), ("edge:west", 3)]
         for i, edge in enumerate(edges):  # each edge's partial is its own group's sum
             (local,) = edge.state.rounds.rounds()
             assert (local.kind, local.state, local.stage, local.reports) == ("secure", "closed",
@@ -93,7 +94,7 @@ def test_a_secure_round_through_two_edges_equals_one_server_and_the_simulation(
             group = _simulated(CLIENTS[3 * i: 3 * i + 3])
             got = edge.state.verified.folder(local.plan).results(aggregate)
             np.testing.assert_array_equal(got[0][0], group["bits"]["q"])  # bits first, q first
-            assert [m.outcome for m in edge.upstream.mirrors()] == ["accepted"]
+            assert [m.outcome for m in edge.mirrors.all()] == ["accepted"]
     finally:
         for edge in edges:
             edge.stop()

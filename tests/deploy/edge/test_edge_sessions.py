@@ -14,7 +14,7 @@ import pytest
 from fedlang import deploy
 from fedlang.deploy import protocol
 from fedlang.deploy.driver import buffered as buffered_driver
-from fedlang.deploy.plans import batch as batch_lib
+from fedlang.deploy.plans import buffered as buffered_plan
 from fedlang.learning import algorithms
 
 from ..conftest import ServerProcess, wait_for
@@ -120,7 +120,7 @@ def test_a_session_through_two_edges_equals_one_server_and_the_process(
         assert (session.version, session.reports, batches["staleness_histogram"]) == (
             2, 8, {"0": 8})
         for edge in edges:  # each edge forwarded its own clients' four reports, each once
-            (m,) = edge.sessions.upstream.mirrors()
+            (m,) = edge.mirrors.all()
             assert (m.forwarded_through, m.sending_through, m.outcome) == (4, None, "")
     finally:
         for edge in edges:
@@ -147,7 +147,7 @@ def test_a_resent_batch_is_a_replay_and_each_report_reaches_the_root_once(
         token = edge.create_population()
         edge.server.start()  # the sync passes are run by hand below
         driver.start()
-        edge.sessions.sync()  # mirrors the session
+        edge.sync()  # mirrors the session
         clients = [deploy.Client(edge.server.url, "pop", token, {"train": ds},
                                  backoff=(0.05, 0.2)) for ds in datasets[:3]]
         for c in clients[:2]:
@@ -155,11 +155,11 @@ def test_a_resent_batch_is_a_replay_and_each_report_reaches_the_root_once(
         # the edge records its batch of the two reports, sends it, and dies before it
         # records the root's answer (its send is made here by hand)
         sid = driver.session_id
-        (m,) = edge.sessions.upstream.mirrors()
-        m = edge.sessions.upstream.next_batch(m.upstream, 4)
-        assert (m.batches, m.forwarded_through, m.sending_through) == (0, 0, 2)
-        reports = edge.state.sessions.reports(m.session, 0)
-        body = batch_lib.encode([(r.version, r.data) for r in reports])
+        (m,) = edge.mirrors.all()
+        m = edge.mirrors.sending(m, edge.state.sessions.session(m.local).reports, 4)
+        assert (m.uploads, m.forwarded_through, m.sending_through) == (0, 0, 2)
+        reports = edge.state.sessions.reports(m.local, 0)
+        body = buffered_plan.encode_batch([(r.version, r.data) for r in reports])
         headers = {"Authorization": f"Bearer {edge_token}", "Content-Type": protocol.BINARY}
         with httpx.Client(base_url=root.url, timeout=30, headers=headers) as h:
             first = h.put(f"/v1/edge/sessions/{sid}/batches/1", content=body)
@@ -167,17 +167,17 @@ def test_a_resent_batch_is_a_replay_and_each_report_reaches_the_root_once(
             assert first.json() == {"session": sid, "batch": 1, "accepted": 2, "stale": 0,
                                     "replay": False}
             # act: the restarted edge sends the batch it was sending again
-            assert edge.sessions.sync() == 2
+            assert edge.sync() == 2
             # other bytes for the same batch, and a batch out of order, are refused
             other = h.put(f"/v1/edge/sessions/{sid}/batches/1",
-                          content=batch_lib.encode([(0, reports[0].data)]))
+                          content=buffered_plan.encode_batch([(0, reports[0].data)]))
             assert (other.status_code, other.json()["reason"]) == (409, "conflict")
             skipped = h.put(f"/v1/edge/sessions/{sid}/batches/3", content=body)
             assert (skipped.status_code, skipped.json()["reason"]) == (409, "conflict")
             garbled = h.put(f"/v1/edge/sessions/{sid}/batches/2", content=b"FLB1" + body[8:])
             assert (garbled.status_code, garbled.json()["reason"]) == (400, "malformed")
-        (m,) = edge.sessions.upstream.mirrors()
-        assert (m.batches, m.forwarded_through, m.sending_through) == (1, 2, None)
+        (m,) = edge.mirrors.all()
+        assert (m.uploads, m.forwarded_through, m.sending_through) == (1, 2, None)
         s = root.app_state.sessions.session(sid)
         assert (s.reports, s.pending) == (2, 2)  # each report once
         stored = root.app_state.sessions.reports(sid, 0)
@@ -185,7 +185,7 @@ def test_a_resent_batch_is_a_replay_and_each_report_reaches_the_root_once(
         assert [r.client for r in stored] == ["edge:east/1.0", "edge:east/1.1"]
         # a third report goes in batch 2, and the buffer's room limits a batch
         _one_task(clients[2])
-        assert edge.sessions.sync() == 1
+        assert edge.sync() == 1
         with httpx.Client(base_url=root.url, timeout=30) as h:
             taken = h.get(f"/v1/admin/sessions/{sid}/edges",
                           headers={"Authorization": f"Bearer {root.admin_token}"}).json()
@@ -213,7 +213,7 @@ def test_the_session_routes_refuse_strangers_clients_other_populations_and_revok
     try:
         driver.start()
         sid = driver.session_id
-        body = batch_lib.encode([(0, b"not a report")])  # refused before it is read
+        body = buffered_plan.encode_batch([(0, b"not a report")])  # refused before it is read
         with httpx.Client(base_url=root.url, timeout=30) as h:
             client = h.post("/v1/populations/pop/enroll",
                             headers={"Authorization": f"Bearer {token}"}).json()["credential"]
@@ -221,7 +221,7 @@ def test_the_session_routes_refuse_strangers_clients_other_populations_and_revok
             def calls(credential):
                 auth = {} if credential is None else {"Authorization": f"Bearer {credential}"}
                 return [
-                    h.get("/v1/edge/sessions", headers=auth),
+                    h.get("/v1/edge/tasks", headers=auth),
                     h.post(f"/v1/edge/sessions/{sid}/join", headers=auth),
                     h.put(f"/v1/edge/sessions/{sid}/batches/1", content=body,
                           headers={**auth, "Content-Type": protocol.BINARY}),
@@ -232,14 +232,14 @@ def test_the_session_routes_refuse_strangers_clients_other_populations_and_revok
                 assert [r.status_code for r in calls(credential)] == [401, 401, 401]
             # an edge of another population sees no session and cannot reach this one
             listing, joined, batch = calls(far)
-            assert listing.status_code == 200 and listing.json()["sessions"] == []
+            assert listing.status_code == 200 and listing.json()["tasks"] == []
             assert (joined.status_code, batch.status_code) == (404, 404)
             # the edge's token is not the admin's
             admin_route = h.get(f"/v1/admin/sessions/{sid}/edges",
                                 headers={"Authorization": f"Bearer {east}"})
             assert admin_route.status_code == 401
             listing, joined, _ = calls(east)  # the population's edge is let in ...
-            assert [s["id"] for s in listing.json()["sessions"]] == [sid]
+            assert [(t["kind"], t["id"]) for t in listing.json()["tasks"]] == [("buffered", sid)]
             assert joined.status_code == 200
             with deploy.Admin(root.url, root.admin_token) as admin:
                 admin.revoke_edge("east")

@@ -1,5 +1,7 @@
-"""The root's routes for edge aggregators over HTTP: edge tokens, shares, blobs kept to
-the edge's population, and partial aggregates through the intake."""
+"""The root's routes for edge aggregators over HTTP: edge tokens, the edge's check-in
+(the tasks it may hold seats in) and its seats, blobs kept to the edge's population, and
+partial aggregates through the intake (the upload contract itself is
+`test_intake.py`'s)."""
 
 import base64
 
@@ -40,8 +42,9 @@ def partial(root, rows, dropped=0):
 
 def test_an_edge_joins_reads_its_round_and_forwards_one_partial(root):
     east, west = make_edge(root, "east"), make_edge(root, "west")
-    listing = root.http.get(f"{API}/edge/rounds", headers=east).json()
-    (r,) = listing["rounds"]
+    listing = root.http.get(f"{API}/edge/tasks", headers=east).json()
+    (r,) = listing["tasks"]
+    assert r["kind"] == "aggregate"
     assert (listing["population"], r["id"], r["share"]) == ("pop", root.round["id"], None)
     joined = root.http.post(f"{API}/edge/rounds/{r['id']}/join", headers=east).json()
     assert (joined["share"]["target"], joined["share"]["capacity"]) == (2, 2)
@@ -73,23 +76,23 @@ def test_an_edge_joins_reads_its_round_and_forwards_one_partial(root):
 
 def test_edge_tokens_are_checked_and_revocable(root):
     east = make_edge(root, "east")
-    assert root.http.get(f"{API}/edge/rounds", headers=bearer("nope")).status_code == 401
-    assert root.http.get(f"{API}/edge/rounds").status_code == 401
+    assert root.http.get(f"{API}/edge/tasks", headers=bearer("nope")).status_code == 401
+    assert root.http.get(f"{API}/edge/tasks").status_code == 401
     # a client's credential is not an edge token, nor the other way round
     client = bearer(root.clients[0]["credential"])
-    assert root.http.get(f"{API}/edge/rounds", headers=client).status_code == 401
+    assert root.http.get(f"{API}/edge/tasks", headers=client).status_code == 401
     assert root.http.post(f"{API}/checkin", headers=east).status_code == 401
     assert root.http.post(f"{API}/admin/edges", headers=east,
                           json={"name": "x", "population": "pop"}).status_code == 401
     revoked = root.http.delete(f"{API}/admin/edges/east", headers=root.admin)
     assert revoked.status_code == 200 and revoked.json()["revoked"] is not None
-    assert root.http.get(f"{API}/edge/rounds", headers=east).status_code == 401
+    assert root.http.get(f"{API}/edge/tasks", headers=east).status_code == 401
 
 
 def test_an_edge_sees_only_its_population(root):
     root.http.post(f"{API}/admin/populations", json={"name": "other"}, headers=root.admin)
     stranger = make_edge(root, "stranger", "other")
-    assert root.http.get(f"{API}/edge/rounds", headers=stranger).json()["rounds"] == []
+    assert root.http.get(f"{API}/edge/tasks", headers=stranger).json()["tasks"] == []
     rid = root.round["id"]
     assert root.http.post(f"{API}/edge/rounds/{rid}/join", headers=stranger).status_code == 404
     plan = root.http.get(f"{API}/admin/rounds/{rid}", headers=root.admin).json()["plan"]

@@ -1,10 +1,12 @@
-"""The upload contract, one test for every mode on every database: a plain round's
-report, a secure round's masked input (stage 3, which carries the plain report) and a
-buffered session's report all pass the one intake (`server/intake.py`), so each is
-accepted, replayed, refused with the same status and reason, and counted the same way.
+"""The upload contract, one test for every kind of upload on every database: a plain
+round's report, a secure round's masked input (stage 3, which carries the plain report),
+a buffered session's report, an edge aggregator's partial aggregate of a round (one
+upload standing for its clients' reports) and an edge's batch of session reports all
+pass the one intake (`server/intake.py`), so each is accepted, replayed, refused with the
+same status and reason, and counted the same way.
 
-Each mode is a harness with clients `a` and `b`, which were given the task, and `c`,
-which was not; `good(name)` is a valid upload of that client, `other`, `malformed` and
+Each kind is a harness with uploaders `a` and `b`, which were given the task, and `c`,
+which was not; `good(name)` is a valid upload of that uploader, `other`, `malformed` and
 `non_finite` variants of it."""
 
 import base64
@@ -35,6 +37,8 @@ class Harness:
 
     closed_reason = "late"
     c_checks_in = True  # and finds the task full (rounds); a session has room for all
+    # what `c`'s upload gets: (status, reason, counted, counted in the task)
+    not_given = (403, "not_assigned", True, True)
 
     def __init__(self, server, clock):
         self.server, self.clock = server, clock
@@ -235,7 +239,77 @@ class Buffered(Harness):
         return {"stale": 0}
 
 
-@pytest.fixture(params=[Plain, Secure, Buffered], ids=["plain", "secure", "buffered"])
+class Partial(Plain):
+    """Edges `a`, `b` and `d` of the population joined a plain round of `vector_sum`
+    (target 3: one seat each); edge `c` did not. An upload is an edge's partial aggregate:
+    its clients' reports folded together, standing for them."""
+
+    def __init__(self, server, clock):
+        self.server, self.clock = server, clock
+        self.http = httpx.Client(base_url=server.url, timeout=30)
+        self.admin = bearer(server.admin_token)
+        self.ok(self.http.post(f"{API}/admin/populations", json={"name": "pop"},
+                               headers=self.admin))
+        self.credentials = {name: self.ok(self.http.post(
+            f"{API}/admin/edges", json={"name": name, "population": "pop"},
+            headers=self.admin))["token"] for name in "abdc"}
+        self.open_task()
+        for name in "abd":
+            joined = self.ok(self.http.post(f"{API}/edge/rounds/{self.task}/join",
+                                            headers=bearer(self.credentials[name])))
+            assert joined["share"]["capacity"] == 1, joined
+        self.folder = folding.Folder(self.plan)
+
+    def path(self, task):
+        return f"{API}/edge/rounds/{task}/partial"
+
+    def report(self, row):
+        aggregate = self.folder.fold(self.folder.empty(), self.folder.check(super().report(row)))
+        return self.folder.encode_partial(aggregate, 1, 0)
+
+    def malformed(self, name):
+        return b"not a partial aggregate"
+
+    def non_finite(self, name):
+        t = self.folder.aggregate_type
+        aggregate = serialization.serialize_value((np.array([np.inf, 0, 0]),), t)
+        return self.folder.encode_partial(aggregate, 1, 0)
+
+
+class Batch(Buffered):
+    """Edges `a`, `b` and `d` of the population, and `c` of another one; a buffered
+    session (K = 3) at version 0. An upload is an edge's first batch of its clients'
+    reports, each with the version it trained."""
+
+    # any edge of the population may forward reports to its session: an edge of
+    # another population finds none (as if it did not exist)
+    not_given = (404, "not_found", False, False)
+
+    def __init__(self, server, clock):
+        self.server, self.clock = server, clock
+        self.http = httpx.Client(base_url=server.url, timeout=30)
+        self.admin = bearer(server.admin_token)
+        for population in ("pop", "other"):
+            self.ok(self.http.post(f"{API}/admin/populations", json={"name": population},
+                                   headers=self.admin))
+        self.credentials = {name: self.ok(self.http.post(
+            f"{API}/admin/edges", json={"name": name, "population": "other" if name == "c"
+                                        else "pop"}, headers=self.admin))["token"]
+            for name in "abdc"}
+        self.open_task()
+
+    def path(self, task):
+        return f"{API}/edge/sessions/{task}/batches/1"
+
+    def report(self, row):
+        return buffered_plan.encode_batch([(0, super().report(row))])
+
+    def malformed(self, name):
+        return b"not a batch"
+
+
+@pytest.fixture(params=[Plain, Secure, Buffered, Partial, Batch],
+                ids=["plain", "secure", "buffered", "partial", "batch"])
 def harness(request, db_url, server_factory):
     clock = Clock()
     h = request.param(server_factory(db=db_url, clock=clock), clock)
@@ -267,7 +341,7 @@ def test_the_upload_contract(harness):
 
     # accepted once; the same bytes again are a replay that changes nothing
     first = h.put("a", h.good("a"))
-    assert first.status_code == 200 and first.json()["accepted"] is True
+    assert first.status_code == 200 and first.json()["accepted"]  # (a batch: its count)
     assert first.json()["replay"] is False and h.accepted() == 1
     again = h.put("a", h.good("a"))
     assert again.status_code == 200 and again.json()["replay"] is True and h.accepted() == 1
@@ -275,7 +349,8 @@ def test_the_upload_contract(harness):
 
     # refused before anything is decoded: another upload, a client not given the task
     refused(h, lambda: h.put("a", h.other("a")), 409, "conflict")
-    refused(h, lambda: h.put("c", h.good("a")), 403, "not_assigned")
+    status, reason, counted, in_task = h.not_given
+    refused(h, lambda: h.put("c", h.good("a")), status, reason, counted, in_task)
 
     # refused by the check against the plan, and by the size limit
     refused(h, lambda: h.put("b", h.malformed("b")), 400, "malformed")

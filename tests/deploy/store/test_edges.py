@@ -1,5 +1,6 @@
-"""Edge aggregators at the root's store: credentials, shares of rounds, partial
-aggregates merged counting their reports, on SQLite and PostgreSQL."""
+"""Edge aggregators at the root's store, on SQLite and PostgreSQL: credentials, seats of
+rounds split among edges, and partial aggregates, which stand for the reports of an
+edge's clients, taken by the same shards as any report (`shards.ReportShards`)."""
 
 import numpy as np
 import pytest
@@ -9,14 +10,20 @@ from fedlang.deploy.plans import folding
 from fedlang.deploy.store import edges as edges_lib
 from fedlang.deploy.store import rounds as rounds_lib
 from fedlang.deploy.store import schema
+from fedlang.deploy.store import shards as shards_lib
 
-from .conftest import enroll
+from .conftest import as_version, enroll
 from .test_rounds import accept, open_round, report
 
 
 @pytest.fixture
-def rounds(store):
-    return rounds_lib.Rounds(store)
+def folder(sum_round):
+    return folding.Folder(sum_round[0])
+
+
+@pytest.fixture
+def rounds(store, folder):
+    return rounds_lib.Rounds(store, lambda plan: folder)
 
 
 @pytest.fixture
@@ -25,8 +32,10 @@ def edges(rounds):
 
 
 @pytest.fixture
-def folder(sum_round):
-    return folding.Folder(sum_round[0])
+def shards(rounds):
+    made = shards_lib.ReportShards(rounds)
+    yield made
+    made.close()
 
 
 def partial(folder, sum_round, reports, dropped=0):
@@ -37,11 +46,10 @@ def partial(folder, sum_round, reports, dropped=0):
     return folder.encode_partial(aggregate, len(reports), dropped)
 
 
-def forward(edges, folder, round_id, edge, body):
-    checked = folder.check_partial(body)
-    return edges.accept(round_id, edge, "pop", protocol.blob_hash(body), len(body),
-                        checked.reports, checked.dropped,
-                        lambda agg: folder.merge_partial(agg, checked.value))
+def forward(shards, folder, round_id, edge, body):
+    """An edge's partial taken as the server takes it: by the shards, as any report."""
+    return shards.accept(round_id, edges_lib.holder(edge), protocol.blob_hash(body), len(body),
+                         folder.check_partial(body))
 
 
 def test_an_edge_token_is_kept_hashed_and_can_be_revoked(edges, store, token):
@@ -58,7 +66,6 @@ def test_an_edge_token_is_kept_hashed_and_can_be_revoked(edges, store, token):
         edges.authenticate(t)
     with pytest.raises(protocol.Unauthorized, match="unknown"):
         edges.authenticate("not-a-token")
-    assert store.counters()["refused:unauthorized"] == 2
 
 
 def test_shares_split_the_round_and_never_exceed_its_capacity(edges, rounds, store, folder, token):
@@ -82,25 +89,26 @@ def test_shares_split_the_round_and_never_exceed_its_capacity(edges, rounds, sto
         edges.join("south", "other", r.id)
 
 
-def test_a_partial_is_merged_once_counting_its_reports(edges, rounds, store, folder, token,
-                                                       sum_round):
+def test_a_partial_is_merged_once_counting_its_reports(edges, rounds, shards, store, folder,
+                                                       token, sum_round):
     edges.create("east", "pop")
     edges.create("west", "pop")
     r = open_round(rounds, folder, target=4)
     edges.join("east", "pop", r.id)
     edges.join("west", "pop", r.id)
     body = partial(folder, sum_round, [[[1, 2, 3]], [[4, 5, 6]]], dropped=0)
-    assert forward(edges, folder, r.id, "east", body) is True
-    assert forward(edges, folder, r.id, "east", body) is False  # a replay: nothing changes
+    assert forward(shards, folder, r.id, "east", body) is True
+    assert forward(shards, folder, r.id, "east", body) is False  # a replay: nothing changes
     assert rounds.round(r.id).reports == 2
     other = partial(folder, sum_round, [[[1, 1, 1]]])
     with pytest.raises(protocol.Conflict):
-        forward(edges, folder, r.id, "east", other)
-    assert edges.precheck(r.id, "east", "pop", protocol.blob_hash(body)) is True
+        forward(shards, folder, r.id, "east", other)
+    assert rounds.precheck(rounds.round(r.id), edges_lib.holder("east"),
+                           protocol.blob_hash(body)) is True
     with pytest.raises(protocol.Forbidden):  # an edge that did not join
         edges.create("north", "pop")
-        forward(edges, folder, r.id, "north", other)
-    forward(edges, folder, r.id, "west", partial(folder, sum_round, [[[7, 8, 9]], [[1, 0, 0]]]))
+        forward(shards, folder, r.id, "north", other)
+    forward(shards, folder, r.id, "west", partial(folder, sum_round, [[[7, 8, 9]], [[1, 0, 0]]]))
     done, aggregate = rounds.aggregate(r.id)
     assert (done.state, done.reports) == ("closed", 4)  # closed at its target
     # the same aggregate as the four reports folded one by one at one server
@@ -116,16 +124,16 @@ def test_a_partial_is_merged_once_counting_its_reports(edges, rounds, store, fol
         ("east", "reported", 2), ("west", "reported", 2)]
 
 
-def test_an_edge_gone_at_the_deadline_counts_its_seats_as_dropouts(edges, rounds, store, folder,
-                                                                 token, sum_round, clock):
+def test_an_edge_gone_at_the_deadline_counts_its_seats_as_dropouts(edges, rounds, shards, store,
+                                                                 folder, token, sum_round, clock):
     edges.create("east", "pop")
     edges.create("west", "pop")
     r = open_round(rounds, folder, target=4, quorum=1, deadline=60)
     edges.join("east", "pop", r.id)
     edges.join("west", "pop", r.id)
-    forward(edges, folder, r.id, "east", partial(folder, sum_round, [[[1, 2, 3]]], dropped=1))
+    forward(shards, folder, r.id, "east", partial(folder, sum_round, [[[1, 2, 3]]], dropped=1))
     with pytest.raises(protocol.BadRequest, match="at most 2"):  # more than its seats
-        forward(edges, folder, r.id, "west", partial(folder, sum_round, [[[1, 2, 3]]], dropped=2))
+        forward(shards, folder, r.id, "west", partial(folder, sum_round, [[[1, 2, 3]]], dropped=2))
     clock.now += 61
     rounds.close_due()
     done = rounds.round(r.id)
@@ -133,7 +141,7 @@ def test_an_edge_gone_at_the_deadline_counts_its_seats_as_dropouts(edges, rounds
     assert (done.state, done.reports, done.dropped) == ("closed", 1, 3)
     assert [s.state for s in edges.shares(r.id)] == ["reported", "dropped"]
     with pytest.raises(protocol.Gone):  # too late now
-        forward(edges, folder, r.id, "west", partial(folder, sum_round, [[[1, 2, 3]]]))
+        forward(shards, folder, r.id, "west", partial(folder, sum_round, [[[1, 2, 3]]]))
 
 
 def test_partials_that_do_not_add_up_are_refused(folder, sum_round):
@@ -147,11 +155,10 @@ def test_partials_that_do_not_add_up_are_refused(folder, sum_round):
         folder.check_partial(folder.encode_partial(folder.empty(), -1, 0))
 
 
-def test_a_version_5_database_gains_the_edge_tables(store):
+def test_a_version_5_database_gains_the_edge_tables(store, folder):
     with store.transaction(write=True) as tx:
-        for table in ("edges", "edge_shares", "upstream_rounds"):
-            tx.run(f"DROP TABLE {table}")
-        tx.run("UPDATE meta SET value = ? WHERE key = 'schema'", (b"5",))
+        tx.run("DROP TABLE edges")
+        as_version(tx, 5)
     store.close()
     reopened = type(store)(store.dialect.path if hasattr(store.dialect, "path") else store.dialect.url)
     try:
@@ -199,7 +206,7 @@ def open_secure(rounds, folder, target, **options):
 
 
 def test_a_secure_round_run_by_edges_splits_its_seats_evenly_and_assigns_none_at_the_root(
-    edges, rounds, store, folder, sum_round, token, clock
+    edges, rounds, shards, store, folder, sum_round, token, clock
 ):
     six = rounds_lib.CohortOptions(6, over_selection=1 / 6)  # 7 seats
     assert not edges.check_secure("pop", six)  # no edges: the root runs it
@@ -215,7 +222,7 @@ def test_a_secure_round_run_by_edges_splits_its_seats_evenly_and_assigns_none_at
     shares = [edges.join(name, "pop", r.id)[1] for name in ("east", "west", "north")]
     assert [(s.capacity, s.target) for s in shares] == [(3, 2), (2, 2), (2, 2)]
     assert rounds.round(r.id).assigned == 7
-    assert forward(edges, folder, r.id, "east", partial(folder, sum_round, [[[1, 2, 3]]] * 2, 1))
+    assert forward(shards, folder, r.id, "east", partial(folder, sum_round, [[[1, 2, 3]]] * 2, 1))
     clock.now += 61  # the others never forward: their seats are dropouts
     assert rounds.close_due() == 1
     closed = rounds.round(r.id)

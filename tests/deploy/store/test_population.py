@@ -14,23 +14,49 @@ import random
 import pytest
 
 from fedlang.deploy import protocol
-from fedlang.deploy.store import bulk, sessions, sql
+from fedlang.deploy.plans import folding
+from fedlang.deploy.store import bulk, sessions, shards, sql
 from fedlang.deploy.store import rounds as rounds_lib
 from fedlang.deploy.store import store as store_lib
 
 from .conftest import Clock
+from .test_rounds import report
+
+
+class Reports:
+    """Devices' reports taken as the server takes them (`shards.ReportShards`), each the
+    same small report of `sum_round`."""
+
+    def __init__(self, store, sum_round):
+        self.folder = folding.Folder(sum_round[0])
+        self.rounds = rounds_lib.Rounds(store, lambda plan: self.folder)
+        self.shards = shards.ReportShards(self.rounds)
+        self.body = report(sum_round, [1, 2, 3])
+        self.checked = self.folder.check(self.body)
+
+    def open(self, options):
+        return self.rounds.create("pop", "plan", "broadcast", options, self.folder.empty())
+
+    def take(self, round_id, client):
+        return self.shards.accept(round_id, client, protocol.blob_hash(self.body),
+                                  len(self.body), self.checked)
+
+    def close(self):
+        self.shards.close()
 
 
 class Fleet:
     """`n` bulk-enrolled devices of population "pop" and a driver that opens a round of
     `options` whenever none is open (after `driver_delay` s), until `rounds` closed."""
 
-    def __init__(self, url, n, pace, options, seed=0, train=(5.0, 15.0), driver_delay=0.1):
+    def __init__(self, url, sum_round, n, pace, options, seed=0, train=(5.0, 15.0),
+                 driver_delay=0.1):
         self.clock = Clock()
         self.rng = random.Random(seed)
         self.store = store_lib.Store(url, clock=self.clock, pace=pace,
                                      rng=random.Random(seed + 1))
-        self.rounds = rounds_lib.Rounds(self.store)
+        self.reports = Reports(self.store, sum_round)
+        self.rounds = self.reports.rounds
         self.store.create_population("pop")
         self.ids = []
         bulk.enroll_bulk(self.store, "pop", n, 1e9, lambda made: self.ids.extend(i for i, _ in made))
@@ -53,7 +79,7 @@ class Fleet:
             t, _, kind, what = heapq.heappop(self._events)
             self.clock.now = t
             if kind == "open":
-                current = self.rounds.create("pop", "plan", "broadcast", self.options, b"").id
+                current = self.reports.open(self.options).id
             elif kind == "checkin":
                 self.checkins.append(t)
                 got = self.rounds.checkin(self.ids[what], "pop")
@@ -65,7 +91,7 @@ class Fleet:
             else:
                 device, round_id = what
                 with contextlib.suppress(protocol.Gone):  # over-selected: came too late
-                    self.rounds.accept(round_id, self.ids[device], f"digest-{device}", 1, bytes)
+                    self.reports.take(round_id, self.ids[device])
                 if round_id == current and self.rounds.round(round_id).state != "open":
                     closed, current = closed + 1, None
                     self._at(t + self.driver_delay, "open", None)
@@ -73,15 +99,16 @@ class Fleet:
         return closed
 
     def close(self):
+        self.reports.close()
         self.store.close()
 
 
 @pytest.fixture
-def fleet(db_url):
+def fleet(db_url, sum_round):
     made = []
 
     def make(*args, **kwargs):
-        made.append(Fleet(db_url, *args, **kwargs))
+        made.append(Fleet(db_url, sum_round, *args, **kwargs))
         return made[-1]
 
     yield make
@@ -105,7 +132,7 @@ def test_selection_is_uniform_over_the_population(fleet):
     assert counts.count(0) < 10  # P(never) = (1 - p)^60 ~ 2%: about 4 devices
 
 
-def test_a_selected_client_waits_as_if_it_had_not_been(store, token, clock):
+def test_a_selected_client_waits_as_if_it_had_not_been(store, token, clock, sum_round):
     """A client checks in again at once after its task (`Client.run` does): were the
     next round open, it would be first in line, round after round, while the others
     wait the pace's draw. It waits out its own draw from its assignment instead."""
@@ -113,12 +140,14 @@ def test_a_selected_client_waits_as_if_it_had_not_been(store, token, clock):
     ids = []
     bulk.enroll_bulk(store, "pop", 3, 3600.0, lambda made: ids.extend(i for i, _ in made))
     a, b, _ = ids
-    rounds = rounds_lib.Rounds(store)
+    reports = Reports(store, sum_round)
+    rounds = reports.rounds
     one = rounds_lib.CohortOptions(target=1)
-    first = rounds.create("pop", "plan", "broadcast", one, b"")
+    first = reports.open(one)
     assert rounds.checkin(a, "pop").round == first.id
     clock.now += 0.1
-    assert rounds.accept(first.id, a, "digest", 1, bytes)  # closes the round
+    assert reports.take(first.id, a)  # closes the round
+    reports.close()
     second = rounds.create("pop", "plan", "broadcast", one, b"")
     wait = rounds.checkin(a, "pop")
     rest = pace.rest(3, f"{a}/{first.id}")

@@ -1,5 +1,6 @@
 """Rounds in the task store: assignment, reports, closing, on SQLite and on PostgreSQL
-(`db_url` runs each test on both)."""
+(`db_url` runs each test on both). Reports are taken as the server takes them, by the
+shards (`accept`)."""
 
 import threading
 
@@ -9,19 +10,20 @@ import pytest
 from fedlang.deploy import protocol
 from fedlang.deploy.plans import execution, folding
 from fedlang.deploy.store import rounds as rounds_lib
+from fedlang.deploy.store import shards as shards_lib
 from fedlang.deploy.store import store as store_lib
 
 from .conftest import enroll
 
 
 @pytest.fixture
-def rounds(store):
-    return rounds_lib.Rounds(store)
+def folder(sum_round):
+    return folding.Folder(sum_round[0])
 
 
 @pytest.fixture
-def folder(sum_round):
-    return folding.Folder(sum_round[0])
+def rounds(store, folder):
+    return rounds_lib.Rounds(store, lambda plan: folder)
 
 
 def report(sum_round, *rows):
@@ -37,9 +39,15 @@ def open_round(rounds, folder, target=3, population="pop", **options):
 
 
 def accept(rounds, folder, round_id, client, data):
-    checked = folder.check(data)
-    return rounds.accept(round_id, client, protocol.blob_hash(data), len(data),
-                         lambda agg: folder.fold(agg, checked))
+    """Takes a client's report as the server does (`shards.ReportShards`: its writer
+    commits it, or raises the refusal). Each call is a process of its own (its own
+    shard), as the server's several processes are."""
+    shards = shards_lib.ReportShards(rounds)
+    try:
+        return shards.accept(round_id, client, protocol.blob_hash(data), len(data),
+                             folder.check(data))
+    finally:
+        shards.close()
 
 
 def test_checkin_assigns_up_to_the_over_selected_cohort(rounds, store, folder, token):
@@ -55,8 +63,9 @@ def test_checkin_assigns_up_to_the_over_selected_cohort(rounds, store, folder, t
     assert rounds.round(r.id).assigned == 3
 
 
-def test_a_report_is_folded_once_and_replays_change_nothing(rounds, store, folder, token, sum_round):
-    r = open_round(rounds, folder, target=3)
+def test_a_report_is_folded_once_and_replays_change_nothing(rounds, store, folder, token,
+                                                            sum_round, clock):
+    r = open_round(rounds, folder, target=3, quorum=1, deadline=60)
     a, b, c = enroll(store, 3, token=token)
     for x in (a, b, c):
         rounds.checkin(x, "pop")
@@ -65,11 +74,14 @@ def test_a_report_is_folded_once_and_replays_change_nothing(rounds, store, folde
     assert accept(rounds, folder, r.id, a, first) is False  # replay: no change
     with pytest.raises(protocol.Conflict, match="different one"):
         accept(rounds, folder, r.id, a, report(sum_round, [9, 9, 9]))
-    row, aggregate = rounds.aggregate(r.id)
-    assert row.reports == 1
-    np.testing.assert_allclose(folder.results(aggregate)[0], [1, 2, 3])
+    assert rounds.round(r.id).reports == 1
     # the client is not given the round it reported for again
     assert not isinstance(rounds.checkin(a, "pop"), rounds_lib.Task)
+    clock.now += 61
+    assert rounds.close_due() == 1  # closed with its quorum: its shards merged
+    row, aggregate = rounds.aggregate(r.id)
+    assert (row.state, row.reports, row.dropped) == ("closed", 1, 2)
+    np.testing.assert_allclose(folder.results(aggregate)[0], [1, 2, 3])
 
 
 def test_reports_for_tasks_not_given_are_forbidden(rounds, store, folder, token, sum_round):
@@ -166,7 +178,7 @@ def test_concurrent_reports_are_each_folded_exactly_once(rounds, store, folder, 
 
 def test_the_state_survives_reopening_the_database(db_url, clock, folder, sum_round):
     s = store_lib.Store(db_url, clock=clock)
-    rounds = rounds_lib.Rounds(s)
+    rounds = rounds_lib.Rounds(s, lambda plan: folder)
     token = s.create_population("pop")
     r = open_round(rounds, folder, target=2)
     (a,) = enroll(s, 1, token=token)
@@ -175,7 +187,7 @@ def test_the_state_survives_reopening_the_database(db_url, clock, folder, sum_ro
     s.close()
     again = store_lib.Store(db_url, clock=clock)
     try:
-        rounds = rounds_lib.Rounds(again)
+        rounds = rounds_lib.Rounds(again, lambda plan: folder)
         assert rounds.round(r.id).reports == 1
         assert accept(rounds, folder, r.id, a, report(sum_round, [1, 2, 3])) is False
         h, made = again.admin_token()  # made on first use, then kept (as a hash)

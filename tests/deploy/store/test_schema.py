@@ -5,11 +5,15 @@ import contextlib
 
 import pytest
 
+from fedlang.deploy.store import edges as edges_lib
 from fedlang.deploy.store import metrics as metrics_lib
+from fedlang.deploy.store import mirrors as mirrors_lib
 from fedlang.deploy.store import rounds as rounds_lib
 from fedlang.deploy.store import schema, sql
 from fedlang.deploy.store import sessions as sessions_lib
 from fedlang.deploy.store import store as store_lib
+
+from .conftest import as_version
 
 # The whole schema of version 1 as fedlang wrote it, before the buffered sessions'
 # tables lost their `async_` names (store.py and async_store.py of that version).
@@ -154,7 +158,7 @@ def test_a_version_5_database_gains_released_metrics_and_refusals_by_task(db_url
     with raw(db_url) as tx:  # as version 5 left it: without the tables of version 6
         tx.run("DROP TABLE released_metrics")
         tx.run("DROP TABLE task_refusals")
-        tx.run("UPDATE meta SET value = ? WHERE key = 'schema'", (b"5",))
+        as_version(tx, 5)
     store = store_lib.Store(db_url)
     try:
         assert stored_version(db_url) == str(schema.VERSION).encode()
@@ -192,7 +196,7 @@ def test_a_version_5_database_opens_and_its_open_round_takes_sharded_reports(db_
     store_lib.Store(db_url).close()
     with raw(db_url) as tx:
         tx.run("DROP TABLE aggregate_shards")
-        tx.run("UPDATE meta SET value = ? WHERE key = 'schema'", (b"5",))
+        as_version(tx, 5)
         tx.run("INSERT INTO rounds (id, population, kind, state, plan, broadcast, target,"
                " capacity, quorum, deadline, created, assigned, reports) VALUES (1, 'pop',"
                " 'aggregate', 'open', 'p', 'b', 2, 2, 2, 9e9, 1.0, 2, 1)")
@@ -207,3 +211,86 @@ def test_a_version_5_database_opens_and_its_open_round_takes_sharded_reports(db_
         assert rounds.round(1).reports == 2
     finally:
         store.close()
+
+
+# The edge tables of version 11, as fedlang wrote them (store/edges.py, edge_sessions.py,
+# upstream.py, upstream_sessions.py of that version).
+V11_EDGES = [
+    "CREATE TABLE edge_shares (round {int} NOT NULL, edge TEXT NOT NULL,"
+    " state TEXT NOT NULL, target {int} NOT NULL, capacity {int} NOT NULL,"
+    " joined {real} NOT NULL, digest TEXT, size {int}, reports {int} NOT NULL DEFAULT 0,"
+    " dropped {int} NOT NULL DEFAULT 0, accepted {real}, PRIMARY KEY (round, edge))",
+    "CREATE TABLE upstream_rounds (upstream {int} PRIMARY KEY,"
+    " round {int} NOT NULL UNIQUE, forwarded {real}, outcome TEXT NOT NULL DEFAULT '')",
+    "CREATE TABLE edge_batches (session {int} NOT NULL, edge TEXT NOT NULL,"
+    " batch {int} NOT NULL, digest TEXT NOT NULL, size {int} NOT NULL,"
+    " reports {int} NOT NULL, stale {int} NOT NULL, accepted {real} NOT NULL,"
+    " PRIMARY KEY (session, edge, batch))",
+    "CREATE TABLE upstream_sessions (upstream {int} PRIMARY KEY,"
+    " session {int} NOT NULL UNIQUE, batches {int} NOT NULL DEFAULT 0,"
+    " forwarded_through {int} NOT NULL DEFAULT 0, sending_through {int},"
+    " outcome TEXT NOT NULL DEFAULT '')",
+]
+
+
+def test_a_version_11_database_keeps_its_edges_shares_batches_and_mirrors(db_url):
+    # arrange: a root's open round 1 where edge east forwarded 2 reports (1 dropout,
+    # already in the round's row as version 11 counted it) and west holds 2 seats; a
+    # session with east's batch 1; and, as an edge's store would hold them, a mirrored
+    # round forwarded and a mirrored session sending its second batch
+    store = store_lib.Store(db_url)
+    store.create_population("pop")
+    store.close()
+    with raw(db_url) as tx:
+        tx.run("DROP TABLE buffered_batches")
+        tx.run("DROP TABLE mirrors")
+        as_version(tx, 11)
+        for statement in V11_EDGES:
+            tx.run(statement.format(**tx.dialect.types))
+        tx.run("INSERT INTO edges (name, population, token_hash, created)"
+               " VALUES ('east', 'pop', 'h1', 1.0), ('west', 'pop', 'h2', 1.0)")
+        tx.run("INSERT INTO rounds (id, population, kind, state, plan, broadcast, target,"
+               " capacity, quorum, deadline, created, assigned, reports, dropped) VALUES"
+               " (1, 'pop', 'aggregate', 'open', 'p', 'b', 4, 4, 1, 9e9, 1.0, 4, 2, 1),"
+               " (2, 'pop', 'aggregate', 'closed', 'p', 'b', 1, 1, 1, 9e9, 1.0, 1, 1, 0)")
+        tx.run("INSERT INTO edge_shares (round, edge, state, target, capacity, joined, digest,"
+               " size, reports, dropped, accepted) VALUES"
+               " (1, 'east', 'reported', 2, 2, 1.0, 'd-east', 10, 2, 1, 2.0),"
+               " (1, 'west', 'assigned', 2, 2, 1.0, NULL, NULL, 0, 0, NULL)")
+        tx.run("INSERT INTO upstream_rounds (upstream, round, forwarded, outcome)"
+               " VALUES (7, 2, 3.0, 'accepted')")
+        tx.run("INSERT INTO buffered_sessions (id, population, state, plan, version, weights,"
+               " buffer_size, max_staleness, reports, created, updated) VALUES (1, 'pop',"
+               " 'open', ?, 0, ?, 4, 1, 2, 1.0, 1.0)", (PLAN, W0))
+        tx.run("INSERT INTO edge_batches (session, edge, batch, digest, size, reports, stale,"
+               " accepted) VALUES (1, 'east', 1, 'b1', 20, 2, 0, 2.0)")
+        tx.run("INSERT INTO upstream_sessions (upstream, session, batches, forwarded_through,"
+               " sending_through) VALUES (9, 1, 1, 2, 2)")
+    # act
+    store = store_lib.Store(db_url)
+    try:
+        # assert: the shares are assignments of seats, east's partial an upload of 2
+        assert stored_version(db_url) == str(schema.VERSION).encode()
+        edges = edges_lib.Edges(rounds_lib.Rounds(store))
+        assert [s.to_json() for s in edges.shares(1)] == [
+            {"round": 1, "edge": "east", "state": "reported", "target": 2, "capacity": 2,
+             "digest": "d-east", "reports": 2, "dropped": 1},
+            {"round": 1, "edge": "west", "state": "assigned", "target": 2, "capacity": 2,
+             "digest": None, "reports": 0, "dropped": 0}]
+        rounds = rounds_lib.Rounds(store)
+        assert rounds.precheck(rounds.round(1), "edge:east", "d-east") is True  # its replay
+        assert rounds.round(1).dropped == 0  # east's dropout is counted at the close now
+        rounds.stop(1, "stopped by the test")
+        assert rounds.round(1).dropped == 3  # east's dropout once, and west's two seats
+        sessions = sessions_lib.Sessions(store)
+        assert sessions.precheck_many(1, "edge:east", 1, "b1") is True
+        assert [(b.client, b.batch, b.reports) for b in sessions.batches(1)] == [
+            ("edge:east", 1, 2)]
+        mirrors = mirrors_lib.Mirrors(store).all()
+        assert [(m.kind, m.upstream, m.local, m.uploads, m.forwarded_through,
+                 m.sending_through, m.outcome) for m in mirrors] == [
+            ("aggregate", 7, 2, 1, 0, None, "accepted"), ("buffered", 9, 1, 1, 2, 2, "")]
+    finally:
+        store.close()
+    with raw(db_url) as tx, pytest.raises(Exception):  # noqa: B017 (the old tables are gone)
+        tx.one("SELECT COUNT(*) FROM edge_shares")

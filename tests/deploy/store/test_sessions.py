@@ -1,5 +1,8 @@
 """Buffered (FedBuff) sessions in the task store, on SQLite and PostgreSQL: versions,
-staleness refusals, the buffer bound, idempotent uploads, and what a restart reads back."""
+staleness refusals, the buffer bound, idempotent uploads, and what a restart reads back;
+an edge's batches (`accept_many`): stored as their reports, each with its staleness now,
+too stale ones counted, a batch that does not fit the buffer's room refused whole,
+replays changing nothing; a session mirrored at an edge (`advance`, `release`)."""
 
 import pytest
 
@@ -14,6 +17,7 @@ PLAN, W0, W1, W2, S1, S2 = (f"{i:064x}" for i in range(6))
 def sessions(db_url):
     st = store_lib.Store(db_url)
     st.create_population("pop")
+    st.create_population("other")
     yield sessions_lib.Sessions(st)
     st.close()
 
@@ -137,3 +141,79 @@ def test_bad_session_options_and_a_second_open_session_are_refused(sessions):
     sessions.checkin("a", "pop")
     assert sessions.checkin("a", "pop") is None
     assert _open(sessions).id == s.id + 1
+
+
+# -- an edge's batches
+
+
+def _items(*versions):
+    return [(v, f"d{i}", f"report {i}".encode()) for i, v in enumerate(versions)]
+
+
+def _batch(sessions, s, batch, items, digest=None):
+    return sessions.accept_many(s.id, "edge:east", batch, digest or f"batch{batch}", 100, items)
+
+
+def test_a_batch_is_stored_as_its_reports_and_a_replay_changes_nothing(sessions):
+    s = sessions.create("pop", PLAN, W0, version=0, buffer_size=4, max_staleness=1)
+    assert [x.id for x in sessions.open_sessions("pop")] == [s.id]
+    assert sessions.open_sessions("other") == []
+    assert _batch(sessions, s, 1, _items(0, 0)) is True
+    assert _batch(sessions, s, 1, _items(0, 0)) is False  # the same digest: a replay
+    assert sessions.precheck_many(s.id, "edge:east", 1, "batch1") is True
+    with pytest.raises(protocol.Conflict, match="already gave"):
+        _batch(sessions, s, 1, _items(0), digest="other")
+    with pytest.raises(protocol.Conflict, match="batches come in order"):
+        _batch(sessions, s, 3, _items(0))
+    stored = sessions.reports(s.id, 0)
+    assert [(r.seq, r.client, r.version, r.staleness, r.data) for r in stored] == [
+        (1, "edge:east/1.0", 0, 0, b"report 0"), (2, "edge:east/1.1", 0, 0, b"report 1")]
+    assert sessions.session(s.id).reports == 2
+
+
+def test_a_batch_takes_the_staleness_of_now_and_too_stale_reports_are_counted(sessions):
+    s = sessions.create("pop", PLAN, W0, version=0, buffer_size=2, max_staleness=1)
+    sessions.publish(s.id, 1, W1, S1, through=0)
+    sessions.publish(s.id, 2, W2, S2, through=0)
+    with pytest.raises(protocol.BadRequest, match="versions up to 2"):
+        _batch(sessions, s, 1, _items(3))
+    assert _batch(sessions, s, 1, _items(0, 1, 2)) is True  # version 0: 2 behind
+    s = sessions.session(s.id)
+    assert [(r.version, r.staleness) for r in sessions.reports(s.id, 0)] == [(1, 1), (2, 0)]
+    assert (s.reports, s.refused_stale) == (2, 1)
+    assert [(b.client, b.batch, b.reports, b.stale) for b in sessions.batches(s.id)] == [
+        ("edge:east", 1, 2, 1)]
+
+
+def test_a_batch_that_does_not_fit_the_buffer_is_refused_whole(sessions):
+    s = sessions.create("pop", PLAN, W0, version=0, buffer_size=3, max_staleness=1)
+    _batch(sessions, s, 1, _items(0, 0))
+    with pytest.raises(protocol.BufferFull, match="room for 2 reports"):
+        _batch(sessions, s, 2, _items(0, 0))
+    assert sessions.session(s.id).reports == 2  # nothing of it was kept
+    sessions.publish(s.id, 1, W1, S1, through=2)  # the driver steps: room again
+    assert _batch(sessions, s, 2, _items(0, 0)) is True
+    sessions.close(s.id)
+    with pytest.raises(protocol.Gone):
+        _batch(sessions, s, 3, _items(1))
+
+
+# -- a session mirrored at an edge
+
+
+def test_a_mirrored_session_follows_the_root_s_versions_and_releases_forwarded_reports(sessions):
+    s = sessions.create("pop", PLAN, W0, version=2, buffer_size=2, max_staleness=1)
+    for client in ("a", "b"):
+        sessions.checkin(client, "pop")
+        assert sessions.accept(s.id, client, 2, f"d-{client}", client.encode())
+    sessions.checkin("c", "pop")
+    with pytest.raises(protocol.BufferFull):  # the edge holds at most K not forwarded
+        sessions.accept(s.id, "c", 2, "d-c", b"c")
+    with sessions.store.transaction(write=True) as tx:
+        sessions.release(tx, s.id, 2)
+    assert sessions.session(s.id).pending == 0  # forwarded reports left the buffer
+    sessions.advance(s.id, 5, W2)  # the root stepped three times
+    sessions.advance(s.id, 4, W0)  # an older version changes nothing
+    s = sessions.session(s.id)
+    assert (s.version, s.weights) == (5, W2)
+    assert sessions.checkin("a", "pop") == sessions_lib.BufferedTask(s.id, s.plan, W2, 5)

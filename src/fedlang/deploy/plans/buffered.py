@@ -21,13 +21,26 @@ kind, a one-client "collect":
 Clients run it with the simulation runtime's local execution (`run`); the server checks
 every upload with explicit limits before storing it (`check`): the exact report type,
 at most the bytes that type can take, finite floats.
+
+An edge aggregator forwards its clients' reports in a **batch** (`encode_batch`): one
+upload carrying `n` reports of one session, each with the model version its client
+trained (`edge/sync.py` explains why an edge forwards the reports themselves rather than
+their sum). The bytes are
+
+    b"FLB1"  n: uint32  then n times:  version: int64  length: uint64  report bytes
+
+little-endian, each report exactly as its client uploaded it. `encode_batch` is
+deterministic: the same reports in the same order give the same bytes, so a resent batch
+has the same digest (a replay). `decode_batch` reads untrusted bytes with explicit limits
+and decodes nothing inside the reports (the session's plan checks each one).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+import struct
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from fedlang.core import computation, serialization, signing, structure, tracing, types
@@ -40,6 +53,9 @@ from fedlang.runtime import simulation
 
 PLAN_KIND = protocol.TaskKind.BUFFERED
 PLAN_VERSION = 1
+BATCH_MAGIC = b"FLB1"
+_BATCH_COUNT = struct.Struct("<I")
+_BATCH_ITEM = struct.Struct("<qQ")
 
 
 def _function_type(train: Any) -> types.FunctionType:
@@ -243,3 +259,75 @@ def load(signed_plan: bytes, public_key: Any) -> BufferedPlan:
       SerializationError: if it is not a valid buffered plan.
     """
     return BufferedPlan.from_bytes(signing.verify(signed_plan, public_key))
+
+
+# -- batches of reports (an edge aggregator forwards its clients' in one upload)
+
+
+def encode_batch(items: Sequence[tuple[int, bytes]]) -> bytes:
+    """The batch of `items`, each (version, report bytes), in order.
+
+    Example:
+      >>> decode_batch(encode_batch([(0, b"a"), (1, b"bc")]), 2, 2)
+      [(0, b'a'), (1, b'bc')]
+    """
+    parts = [BATCH_MAGIC, _BATCH_COUNT.pack(len(items))]
+    for version, report in items:
+        parts += [_BATCH_ITEM.pack(int(version), len(report)), bytes(report)]
+    return b"".join(parts)
+
+
+def max_batch_bytes(max_reports: int, max_report_bytes: int) -> int:
+    """The largest batch of at most `max_reports` reports of `max_report_bytes` each."""
+    return len(BATCH_MAGIC) + _BATCH_COUNT.size + max_reports * (_BATCH_ITEM.size + max_report_bytes)
+
+
+def decode_batch(body: bytes, max_reports: int, max_report_bytes: int) -> list[tuple[int, bytes]]:
+    """The (version, report bytes) items of a batch.
+
+    Raises:
+      ReportError: `malformed` (not a batch, truncated, trailing bytes, no report, a
+        negative version) or `too_large` (more than `max_reports` reports, or a report
+        above `max_report_bytes`).
+    """
+    view = memoryview(body)
+    head = len(BATCH_MAGIC) + _BATCH_COUNT.size
+    if len(view) < head or bytes(view[:len(BATCH_MAGIC)]) != BATCH_MAGIC:
+        raise folding.ReportError(
+            f"Expected a batch of reports (starting {BATCH_MAGIC!r}), found {bytes(view[:8])!r}.",
+            reason="malformed",
+        )
+    (n,) = _BATCH_COUNT.unpack_from(view, len(BATCH_MAGIC))
+    if not 1 <= n <= max_reports:
+        raise folding.ReportError(
+            f"Expected 1 to {max_reports} reports in a batch (the session's buffer), found {n}.",
+            reason="too_large" if n > max_reports else "malformed",
+        )
+    items, at = [], head
+    for i in range(n):
+        if at + _BATCH_ITEM.size > len(view):
+            raise folding.ReportError(f"Expected {n} reports in the batch, found {i}.",
+                                      reason="malformed")
+        version, length = _BATCH_ITEM.unpack_from(view, at)
+        at += _BATCH_ITEM.size
+        if version < 0:
+            raise folding.ReportError(
+                f"Expected a model version >= 0 for report {i} of the batch, found {version}.",
+                reason="malformed",
+            )
+        if length > max_report_bytes:
+            raise folding.ReportError(
+                f"Expected at most {max_report_bytes} bytes in report {i} of the batch (the "
+                f"plan's report type), found {length}.", reason="too_large",
+            )
+        if at + length > len(view):
+            raise folding.ReportError(f"Expected {length} bytes of report {i} of the batch, "
+                                      f"found {len(view) - at}.", reason="malformed")
+        items.append((int(version), bytes(view[at:at + length])))
+        at += length
+    if at != len(view):
+        raise folding.ReportError(
+            f"Expected the batch to end after its {n} reports, found {len(view) - at} more "
+            "bytes.", reason="malformed",
+        )
+    return items

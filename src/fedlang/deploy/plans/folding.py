@@ -128,12 +128,17 @@ class Folder:
         return self._accumulators(aggregate)
 
     def fold_into(self, accumulators: list[Any], report: Any) -> None:
-        """Folds one checked plain report into a running aggregate, in place.
+        """Folds one checked upload into a running aggregate, in place: a client's plain
+        report (`check`), or an edge's partial aggregate (`check_partial`: every
+        aggregation merged).
 
         Raises:
-          ReportError: `overflow`, as `fold`; the report is refused and `accumulators`
+          ReportError: `overflow`, as `fold`; the upload is refused and `accumulators`
             may hold it in part: the caller rebuilds them from what it kept.
         """
+        if isinstance(report, Partial):
+            self._merge_into(accumulators, report.value)
+            return
         for i, partial in zip(self.plain, report):
             acc = accumulators[i]
             with np.errstate(all="ignore"):  # checked just below
@@ -146,6 +151,15 @@ class Folder:
                     "reporting.",
                     reason="overflow",
                 )
+
+    @staticmethod
+    def counts(checked: Any) -> tuple[int, int]:
+        """(reports, dropouts) a checked upload stands for: a client's report is one
+        report; an edge's partial aggregate the reports of its clients, and those of them
+        that dropped out."""
+        if isinstance(checked, Partial):
+            return checked.reports, checked.dropped
+        return 1, 0
 
     def serialize(self, accumulators: Sequence[Any]) -> bytes:
         """A running aggregate's bytes, as the store keeps them."""
@@ -229,20 +243,6 @@ class Folder:
             {"reports": np.int64(reports), "dropped": np.int64(dropped), "aggregate": value},
             self.partial_type,
         )
-
-    def merge_partial(self, aggregate: bytes, partial: Any) -> bytes:
-        """The aggregate with another aggregate of the same round merged in (`partial`,
-        checked by `check_partial`: an edge's clients folded together). Accumulators
-        hold sums and counts, so merging two is what folding their reports one by one
-        into one aggregate gives.
-
-        Raises:
-          ReportError: `overflow`, if the merged aggregate would be infinite (the
-            aggregate stays as it was).
-        """
-        accumulators = self._accumulators(aggregate)
-        self._merge_into(accumulators, partial)
-        return self._serialize(accumulators)
 
     def results(self, aggregate: bytes) -> list[Any]:
         """Each aggregation's result (internal form) from the round's final aggregate."""

@@ -24,8 +24,6 @@ from fedlang.deploy import protocol
 from fedlang.deploy.server import (
     bulk,
     common,
-    edge_sessions,
-    edges,
     guard,
     ops,
     rounds,
@@ -37,8 +35,8 @@ from fedlang.deploy.server import (
 )
 from fedlang.deploy.server import state as state_lib
 
-ROUTERS = (common.router, rounds.router, secure.router, sessions.router, bulk.router, edges.router,
-           ops.router, ops.metrics_router, edge_sessions.router)
+ROUTERS = (common.router, rounds.router, secure.router, sessions.router, bulk.router,
+           ops.router, ops.metrics_router)
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorOut, "description": e.__doc__ or ""}
     for status, e in protocol.ERRORS.items()

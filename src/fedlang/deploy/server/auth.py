@@ -1,11 +1,14 @@
-"""Who is asking: the admin token and client credentials, from a bearer header.
+"""Who is asking: the admin token, client credentials and edge tokens, from a bearer
+header.
 
-Every route that needs a caller names it here (`admin`, `client`), so a change to how
-callers prove who they are (issue 23: before any body is read) is made once.
+Every route that needs a caller names it here (`admin`, `client`, `edge`; an upload's
+`Uploader`), so a change to how callers prove who they are (issue 23: before any body
+is read) is made once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable
 from typing import Annotated, TypeVar
@@ -15,6 +18,7 @@ from fastapi import security
 
 from fedlang.deploy import protocol
 from fedlang.deploy.server import state as state_lib
+from fedlang.deploy.store import edges as edges_lib
 from fedlang.deploy.store import store as store_lib
 
 T = TypeVar("T")
@@ -99,6 +103,52 @@ def client(
         server.store.count_refusal(e.reason)
         raise
     return client_id, population
+
+
+@dataclasses.dataclass(frozen=True)
+class Uploader:
+    """Who uploads: a client, which holds one seat of a task, or an edge aggregator,
+    which holds seats for its own clients (`holds_seats`): its upload stands for their
+    reports (a round's partial aggregate, a session's batch).
+
+    Attributes:
+      id: the holder of the seats: a client's id, or `edge:NAME` (`store.edges.holder`).
+      population: the population it belongs to.
+      holds_seats: whether it is an edge.
+    """
+
+    id: str
+    population: str
+    holds_seats: bool = False
+
+
+def uploader(
+    server: state_lib.ServerState, auth: security.HTTPAuthorizationCredentials | None
+) -> Uploader:
+    """The client of a request, as an uploader (`client`)."""
+    return Uploader(*client(server, auth))
+
+
+def edge(
+    server: state_lib.ServerState, auth: security.HTTPAuthorizationCredentials | None
+) -> Uploader:
+    """The edge aggregator of the edge token of a request; a refusal is counted
+    (`refused:unauthorized`), as a client's.
+
+    Raises:
+      Unauthorized: no token, or an unknown or revoked one.
+    """
+    try:
+        name, population = server.edges.authenticate(token(auth, "an edge token"))
+    except protocol.Unauthorized as e:
+        server.store.count_refusal(e.reason)
+        raise
+    return Uploader(edges_lib.holder(name), population, holds_seats=True)
+
+
+def edge_name(who: Uploader) -> str:
+    """The name of the edge `who` is."""
+    return who.id.removeprefix(edges_lib.HOLDER)
 
 
 def enrollment(server: state_lib.ServerState, address: str, attempt: Callable[[], T]) -> T:

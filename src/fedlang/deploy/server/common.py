@@ -1,8 +1,10 @@
-"""The routes every mode shares: populations and blobs (admin), enrollment, check-in and
-blob downloads (clients), and the status (public)."""
+"""The routes every mode shares: populations, edges and blobs (admin), enrollment,
+check-in and blob downloads (clients; an edge's check-in: the tasks it may hold seats
+in), and the status (public)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 import fastapi
@@ -14,6 +16,9 @@ from fedlang.deploy import protocol
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.deploy.server import auth as auth_lib
 from fedlang.deploy.server import intake, routing, schemas
+from fedlang.deploy.server import rounds as rounds_routes
+from fedlang.deploy.server import sessions as sessions_routes
+from fedlang.deploy.server import state as state_lib
 from fedlang.deploy.server.routing import State
 from fedlang.deploy.store import rounds as rounds_lib
 
@@ -104,6 +109,36 @@ async def upload_blob(
     return schemas.BlobOut(hash=h, size=len(data))
 
 
+@router.post("/admin/edges", status_code=201, tags=["admin"])
+def create_edge(body: schemas.EdgeIn, auth: auth_lib.Bearer, server: State) -> schemas.EdgeOut:
+    """Makes an edge aggregator's credential for a population (its token is shown only
+    here; the root keeps its hash). `fedlang serve --upstream URL --upstream-token TOKEN`
+    runs the edge."""
+    auth_lib.admin(server, auth)
+    token = server.edges.create(body.name, body.population)
+    return schemas.EdgeOut(name=body.name, population=body.population, token=token,
+                           public_key=plan_lib.b64(server.public_key))
+
+
+@router.get("/admin/edges", tags=["admin"])
+def list_edges(auth: auth_lib.Bearer, server: State) -> list[schemas.EdgeInfo]:
+    """The edges, revoked ones too."""
+    auth_lib.admin(server, auth)
+    return [schemas.EdgeInfo(**e) for e in server.edges.edges()]
+
+
+@router.delete("/admin/edges/{name}", tags=["admin"])
+def revoke_edge(
+    name: Annotated[str, fastapi.Path(pattern=schemas.NAME, description="An edge's name.")],
+    auth: auth_lib.Bearer, server: State,
+) -> schemas.EdgeInfo:
+    """Revokes an edge: its token gets 401 from now on; a round it holds seats in counts
+    them as dropouts unless it forwarded before."""
+    auth_lib.admin(server, auth)
+    server.edges.revoke(name)
+    return next(schemas.EdgeInfo(**e) for e in server.edges.edges() if e["name"] == name)
+
+
 # -- clients
 
 
@@ -178,6 +213,55 @@ def download_blob(
         if not server.store.has_blob(blob):
             raise protocol.NotFound(f"Expected the hash of a stored blob, found {blob!r}.")
         return responses.Response(status_code=304, headers={"ETag": f'"{blob}"'})
+    return routing.binary(server.store.get_blob(blob), blob)
+
+
+# -- edges: clients that hold seats for their own clients
+
+
+def _edge_tasks(server: state_lib.ServerState, who: auth_lib.Uploader
+                ) -> list[schemas.EdgeTaskOut]:
+    """The open tasks of the edge's population: the folded rounds (its share of each it
+    joined), then the buffered sessions."""
+    name = auth_lib.edge_name(who)
+    return [*(rounds_routes.edge_task(server, r, share)
+              for r, share in server.edges.open_rounds(name, who.population)),
+            *(sessions_routes.edge_task(s) for s in server.sessions.open_sessions(who.population))]
+
+
+@router.get("/edge/tasks", tags=["edge"])
+async def edge_tasks(
+    auth: auth_lib.Bearer, server: State, wait: routing.Wait = 0.0
+) -> schemas.EdgeTasksOut:
+    """The edge's check-in: the open plain rounds of its population, its secure rounds
+    run by its edges, and its buffered sessions; with `wait`, answers once there is a
+    round the edge holds no seats in, or after `wait` seconds (long polling)."""
+    who = await concurrency.run_in_threadpool(auth_lib.edge, server, auth)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + wait
+    while True:
+        tasks = await concurrency.run_in_threadpool(_edge_tasks, server, who)
+        new = any(t.share is None for t in tasks if t.kind != protocol.TaskKind.BUFFERED)
+        if loop.time() >= end or new:
+            break
+        await asyncio.sleep(min(0.5, max(0.0, end - loop.time())))  # a new round: within 0.5 s
+    populations = await concurrency.run_in_threadpool(server.store.populations)
+    finished = any(p["name"] == who.population and p["finished"] for p in populations)
+    return schemas.EdgeTasksOut(population=who.population, finished=finished,
+                                public_key=plan_lib.b64(server.public_key), tasks=tasks)
+
+
+@router.get("/edge/blobs/{blob}", tags=["edge"], responses=routing.BINARY_RESPONSE,
+            response_class=responses.Response)
+def edge_blob(blob: routing.BlobHash, auth: auth_lib.Bearer, server: State) -> responses.Response:
+    """A blob a task of the edge's population names (its root-signed plan, its broadcast
+    or weights); 404 for any other."""
+    who = auth_lib.edge(server, auth)
+    if not server.store.names_blob(who.population, blob):
+        raise protocol.NotFound(
+            f"Expected the hash of a blob a task of population {who.population!r} names, "
+            f"found {blob!r}."
+        )
     return routing.binary(server.store.get_blob(blob), blob)
 
 

@@ -1,12 +1,16 @@
 """The one upload pipeline: every upload of every mode is taken here.
 
 A plain round's report (`PUT /v1/rounds/{round}/report`), a secure round's answer to a
-stage (`PUT /v1/rounds/{round}/secagg/{stage}`) and a buffered session's report for a
-model version (`PUT /v1/sessions/{session}/reports/{version}`) go through the same
-steps (`take`):
+stage (`PUT /v1/rounds/{round}/secagg/{stage}`), a buffered session's report for a
+model version (`PUT /v1/sessions/{session}/reports/{version}`), and an edge aggregator's
+uploads, which stand for its clients' reports (a round's partial aggregate, `PUT
+/v1/edge/rounds/{round}/partial`; a session's batch, `PUT
+/v1/edge/sessions/{session}/batches/{batch}`), go through the same steps (`take`):
 
-1. authenticate the client (401; counted as `refused:unauthorized` or `expired`);
-2. find the task, its plan, and the largest body it can take (404 for no such task);
+1. authenticate the uploader (401; counted as `refused:unauthorized` or `expired`): a
+   client by its credential, an edge by its token (`auth.Uploader`);
+2. find the task in the uploader's population, its plan, and the largest body it can
+   take (404 for no such task, or one of another population: nothing read, not counted);
 3. read the body, refused (413) as soon as it exceeds that limit;
 4. admit it (`store.admission`: a replay is accepted again and changes nothing; 409
    another upload, 403 not assigned, 410 closed, and the mode's own refusals), before
@@ -14,11 +18,13 @@ steps (`take`):
 5. check it against the plan (400 with the reason: `malformed`, `too_large`,
    `non_finite`, `not_one_client`, or the protocol's `secagg`), then against the
    bounds the plan declares (`plans.bounds`: per leaf a range, L2 norms of groups of
-   leaves; 400 `out_of_bounds` naming the leaf and the bound), here for every mode;
+   leaves; 400 `out_of_bounds` naming the leaf and the bound), here for every mode (each
+   report of a batch; a partial aggregate is no one client's report: its edge bounded
+   each of its clients' reports by the same signed plan);
 6. accept it in one transaction, which admits it again with the task locked and folds
-   (a round: with the other reports waiting, into this process's shard of its aggregate,
-   `store.shards`) or stores (a session) it, answering only once it is committed; a
-   report that would make a round's aggregate overflow to infinity is refused there (400
+   (a round: with the other uploads waiting, into this process's shard of its aggregate,
+   `store.shards`) or stores (a session) it, answering only once it is committed; an
+   upload that would make a round's aggregate overflow to infinity is refused there (400
    `overflow`), and nothing of it is kept;
 
 and every refusal from step 3 on is counted (`refused:REASON` in `GET /v1/status`, and
@@ -26,10 +32,9 @@ in the task: `Uploads.count_refusal`).
 
 A mode is an `Uploads`: how to find its tasks, its limit, its admission, its check and
 how it accepts (`rounds.ReportUploads`, `secure.AnswerUploads`,
-`sessions.ReportUploads`, and an edge aggregator's partial aggregate of a round,
-`edges.PartialUploads`, whose uploader is an edge authenticated by its token: `take`'s
-`authenticate`). A new mode writes one; a check every upload must pass (a bound the
-plan declares, a limit) is added here, once, not in the modes.
+`sessions.ReportUploads`), for its clients and its edges alike. A new mode writes one; a
+check every upload must pass (a bound the plan declares, a limit) is added here, once,
+not in the modes.
 """
 
 from __future__ import annotations
@@ -52,9 +57,9 @@ from fedlang.deploy.server import auth as auth_lib
 from fedlang.deploy.server import state as state_lib
 
 T = TypeVar("T")
-# (server, the request's bearer) -> (uploader, population); raises Unauthorized.
+# (server, the request's bearer) -> the uploader; raises Unauthorized.
 Authenticate = Callable[
-    [state_lib.ServerState, security.HTTPAuthorizationCredentials | None], tuple[str, str]
+    [state_lib.ServerState, security.HTTPAuthorizationCredentials | None], auth_lib.Uploader
 ]
 
 
@@ -63,51 +68,64 @@ class Upload:
     """One upload as the intake took it.
 
     Attributes:
-      client: the uploading client's id.
-      population: its population.
+      uploader: who uploads (a client, or an edge for its clients).
       slot: which of the task's uploads it is: 0 for a round's report, a secure round's
-        stage, a buffered session's model version.
+        stage, a buffered session's model version (an edge's batch: its number).
       body: the bytes.
       digest: their SHA-256 (hex), by which replays are recognized.
       checked: what the mode's `check` made of them (e.g. the decoded report).
     """
 
-    client: str
-    population: str
+    uploader: auth_lib.Uploader
     slot: int
-    body: bytes
+    body: bytes = b""
     digest: str = ""
     checked: Any = None
+
+    @property
+    def client(self) -> str:
+        """The uploader's id: a client's, or an edge's (`edge:NAME`)."""
+        return self.uploader.id
 
 
 class Uploads(Protocol, Generic[T]):
     """One mode's uploads, as the intake takes them (see the module docstring). `T` is
     the mode's task (its row: a round, a session)."""
 
-    def target(self, task_id: int) -> T:
-        """The task uploads go to. Raises NotFound."""
+    def target(self, task_id: int, uploader: auth_lib.Uploader) -> T:
+        """The task uploads go to. Raises NotFound (also for a task of another
+        population than the uploader's)."""
 
-    def limit(self, target: T, slot: int) -> int:
-        """The largest body an upload to `slot` of the task may have, in bytes."""
+    def limit(self, target: T, upload: Upload) -> int:
+        """The largest body the upload (its uploader and slot known, not its body) may
+        have, in bytes."""
 
     def precheck(self, target: T, upload: Upload) -> bool:
         """Whether this upload was accepted before (a replay); raises what `accept` would."""
 
     def check(self, target: T, upload: Upload) -> Any:
-        """The upload's body, decoded and checked against the plan. Raises ReportError."""
+        """The upload's body, decoded and checked against the plan (and its bounds,
+        where the upload holds several reports). Raises ReportError."""
 
     def bounded(self, target: T, upload: Upload) -> tuple[bounds_lib.Bounds, dict[str, Any]] | None:
         """The plan's report bounds and the checked upload's report leaves by path (as
-        the bounds name them); None when the upload holds no plain report."""
+        the bounds name them); None when the upload holds no one client's plain report."""
 
     def accept(self, target: T, upload: Upload) -> bool | futures.Future[bool]:
         """Accepts the checked upload in one transaction; False for a replay. A mode
-        that commits uploads in groups (a round's reports: `store.shards`) answers a
-        future of that, resolved once its group is committed, which `take` awaits on
-        the event loop: the thread is free for the next upload meanwhile."""
+        that commits uploads in groups (a round's: `store.shards`) answers a future of
+        that, resolved once its group is committed, which `take` awaits on the event
+        loop: the thread is free for the next upload meanwhile."""
 
     def count_refusal(self, reason: str, target: T) -> None:
         """Counts a refused upload (`refused:REASON`, and in the task)."""
+
+
+def in_population(task: Any, uploader: auth_lib.Uploader, what: str, task_id: int) -> None:
+    """Raises NotFound, as for no such task, when `task` (a round, a session) is not of
+    the uploader's population: populations are isolated."""
+    if task.population != uploader.population:
+        raise protocol.NotFound(f"Expected an existing {what} id, found {task_id}.")
 
 
 async def read_limited(request: fastapi.Request, limit: int) -> bytes:
@@ -135,26 +153,24 @@ async def take(
     uploads: Uploads[T],
     task_id: int,
     slot: int = 0,
-    authenticate: Authenticate | None = None,
+    authenticate: Authenticate = auth_lib.uploader,
 ) -> bool:
     """Takes one upload to `slot` of task `task_id` (see the module docstring); returns
     False for a replay of an accepted upload (nothing changed). `authenticate` says who
-    uploads (`Upload.client`, `Upload.population`): a client by its credential, by
-    default (an edge's partial: the edge by its token).
+    uploads: a client by its credential, by default (an edge by its token: `auth.edge`).
 
     Raises:
       ProtocolError: the refusal (counted, from reading the body on).
     """
-    who = authenticate or auth_lib.client
     # two hops to the thread pool (each costs a thread handoff): the caller and the
     # task in one read transaction, then the admission, check and accept
-    client_id, population, target, limit = await concurrency.run_in_threadpool(
-        _find, server, auth, who, uploads, task_id, slot
+    target, upload, limit = await concurrency.run_in_threadpool(
+        _find, server, auth, authenticate, uploads, task_id, slot
     )
     try:
         body = await read_limited(request, limit)
         accepted = await concurrency.run_in_threadpool(
-            _admit_check_accept, uploads, target, Upload(client_id, population, slot, body)
+            _admit_check_accept, uploads, target, dataclasses.replace(upload, body=body)
         )
         if isinstance(accepted, futures.Future):
             with _as_bad_request():
@@ -172,12 +188,14 @@ def _find(
     uploads: Uploads[T],
     task_id: int,
     slot: int,
-) -> tuple[str, str, T, int]:
-    """(uploader, population, task, limit), read in one transaction (`Store.reading`)."""
+) -> tuple[T, Upload, int]:
+    """(task, the upload without its body, its limit), read in one transaction
+    (`Store.reading`)."""
     with server.store.reading():
-        client_id, population = who(server, auth)
-        target = uploads.target(task_id)
-    return client_id, population, target, uploads.limit(target, slot)
+        uploader = who(server, auth)
+        target = uploads.target(task_id, uploader)
+    upload = Upload(uploader, slot)
+    return target, upload, uploads.limit(target, upload)
 
 
 def _admit_check_accept(
@@ -194,7 +212,7 @@ def _admit_check_accept(
 
 @contextlib.contextmanager
 def _as_bad_request() -> Iterator[None]:
-    """folding's refusals as a bad request (400, with their reason): a report that is
+    """folding's refusals as a bad request (400, with their reason): an upload that is
     malformed or out of bounds, or that would make the aggregate overflow (refused on
     accepting it: its transaction left nothing changed)."""
     try:

@@ -1,7 +1,9 @@
 """The routes of rounds: the driver opens a round (plain, or secure when its plan has
 secure aggregations), waits for it and reads its aggregate; a client uploads its report
-to a plain round (`ReportUploads`, through the intake). A secure round's stages have
-their own routes (`secure.py`)."""
+to a plain round, and an edge aggregator, which holds seats of the round for its own
+clients (`POST /v1/edge/rounds/{round}/join`), its partial aggregate, standing for their
+reports: both through the intake (`ReportUploads`). A secure round's stages have their
+own routes (`secure.py`)."""
 
 from __future__ import annotations
 
@@ -17,31 +19,47 @@ from fedlang.deploy.server import auth as auth_lib
 from fedlang.deploy.server import intake, plans, routing, schemas
 from fedlang.deploy.server import state as state_lib
 from fedlang.deploy.server.routing import State
+from fedlang.deploy.store import edges as edges_lib
 from fedlang.deploy.store import rounds as rounds_lib
 
 router = fastapi.APIRouter(prefix=protocol.API)
 
 
 class ReportUploads:
-    """A plain round's reports, as the intake takes them: one per assigned client, checked
-    and folded by the round's `folding.Folder` (`shards.ReportShards`)."""
+    """A folded round's uploads, as the intake takes them: one per holder of seats, checked
+    by the round's `folding.Folder` and folded with the others waiting
+    (`shards.ReportShards`): a client's report (one seat), or an edge's partial aggregate
+    (`Folder.check_partial`: its clients' reports folded together, standing for them)."""
 
     def __init__(self, server: state_lib.ServerState):
         self.server = server
 
-    def target(self, task_id: int) -> rounds_lib.Round:
-        return self.server.rounds.round(task_id)
+    def target(self, task_id: int, uploader: auth_lib.Uploader) -> rounds_lib.Round:
+        r = self.server.rounds.round(task_id)
+        intake.in_population(r, uploader, "round", task_id)
+        return r
 
-    def limit(self, target: rounds_lib.Round, slot: int) -> int:
-        return self.server.verified.folder(target.plan).max_report_bytes + (1 << 20)
+    def limit(self, target: rounds_lib.Round, upload: intake.Upload) -> int:
+        folder = self.server.verified.folder(target.plan)
+        most = folder.max_partial_bytes if upload.uploader.holds_seats else folder.max_report_bytes
+        return most + (1 << 20)
 
     def precheck(self, target: rounds_lib.Round, upload: intake.Upload) -> bool:
-        return self.server.rounds.precheck(target.id, upload.client, upload.digest, target)
+        return self.server.rounds.precheck(target, upload.client, upload.digest)
 
     def check(self, target: rounds_lib.Round, upload: intake.Upload) -> Any:
-        return self.server.verified.folder(target.plan).check(upload.body)
+        folder = self.server.verified.folder(target.plan)
+        if upload.uploader.holds_seats:
+            return folder.check_partial(upload.body)
+        return folder.check(upload.body)
 
     def bounded(self, target: rounds_lib.Round, upload: intake.Upload) -> Any:
+        """A client's report's bounds; None for a partial aggregate, which is no one
+        client's report: its edge bounded each of its clients' reports (its intake is
+        this one, against the same signed plan), and it was checked for finite values
+        and counts that agree (`check_partial`), from an edge the root's admin made."""
+        if upload.uploader.holds_seats:
+            return None
         folder = self.server.verified.folder(target.plan)
         return folder.bounds, folder.leaves(upload.checked)
 
@@ -140,3 +158,49 @@ async def upload_report(
     plan's report type). Idempotent: the same bytes again change nothing."""
     new = await intake.take(server, request, auth, ReportUploads(server), round_id)
     return schemas.ReportOut(round=round_id, accepted=True, replay=not new)
+
+
+# -- edges: seats held for their clients
+
+
+def edge_task(server: state_lib.ServerState, r: rounds_lib.Round,
+              share: edges_lib.Share | None) -> schemas.EdgeTaskOut:
+    """A round as an edge sees it (and its share, once it joined)."""
+    return schemas.EdgeTaskOut(
+        kind=r.kind, id=r.id, state=r.state, plan=r.plan, broadcast=r.broadcast,
+        seconds_left=max(0.0, r.deadline - server.store.clock()), target=r.target,
+        capacity=r.capacity, quorum=r.quorum,
+        share=None if share is None else schemas.ShareOut(**share.to_json()),
+    )
+
+
+@router.post("/edge/rounds/{round_id}/join", tags=["edge"])
+def join_round(round_id: routing.RoundId, auth: auth_lib.Bearer, server: State
+               ) -> schemas.EdgeTaskOut:
+    """The edge's share of an open plain round of its population (its seats assigned on
+    the first call: the round's divided by the population's edges), or of a secure round
+    its edges run (split evenly, at least 2 seats)."""
+    who = auth_lib.edge(server, auth)
+    r, share = server.edges.join(auth_lib.edge_name(who), who.population, round_id)
+    return edge_task(server, r, share)
+
+
+@router.put("/edge/rounds/{round_id}/partial", tags=["edge"], openapi_extra=routing.BINARY_BODY)
+async def upload_partial(
+    round_id: routing.RoundId, request: fastapi.Request, auth: auth_lib.Bearer, server: State
+) -> schemas.ReportOut:
+    """Uploads the edge's partial aggregate of a round it holds seats in (the binary value
+    format, of type `<reports=int64,dropped=int64,aggregate=A>`, A the plan's aggregate
+    type): one upload standing for its clients' reports. Idempotent: the same bytes again
+    change nothing; other bytes get 409."""
+    new = await intake.take(server, request, auth, ReportUploads(server), round_id,
+                            authenticate=auth_lib.edge)
+    return schemas.ReportOut(round=round_id, accepted=True, replay=not new)
+
+
+@router.get("/admin/rounds/{round_id}/edges", tags=["admin"])
+def round_shares(round_id: routing.RoundId, auth: auth_lib.Bearer, server: State
+                 ) -> list[schemas.ShareOut]:
+    """The edges' shares of a round: seats, target, and what each forwarded."""
+    auth_lib.admin(server, auth)
+    return [schemas.ShareOut(**s.to_json()) for s in server.edges.shares(round_id)]

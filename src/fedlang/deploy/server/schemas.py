@@ -319,3 +319,85 @@ class AsyncReportOut(pydantic.BaseModel):
     version: int
     accepted: bool
     replay: bool = pydantic.Field(description="This report had been accepted before.")
+
+
+# -- edge aggregators (at the root)
+
+
+class EdgeIn(pydantic.BaseModel):
+    name: Annotated[str, pydantic.Field(pattern=NAME, description="1-64 of A-Z a-z 0-9 _ . -")]
+    population: Annotated[str, pydantic.Field(pattern=NAME)]
+
+
+class EdgeOut(pydantic.BaseModel):
+    name: str
+    population: str
+    token: str = pydantic.Field(description="The edge's token (shown only here).")
+    public_key: str = pydantic.Field(description="The root's plan-signing key (base64).")
+
+
+class EdgeInfo(pydantic.BaseModel):
+    name: str
+    population: str
+    created: float
+    revoked: float | None
+
+
+class ShareOut(pydantic.BaseModel):
+    """An edge's seats in a round, and what it forwarded."""
+
+    round: int
+    edge: str
+    state: str = pydantic.Field(description="assigned, reported (its partial taken) or dropped.")
+    target: int = pydantic.Field(description="Reports it gathers: the round's, in proportion.")
+    capacity: int = pydantic.Field(description="Its seats.")
+    digest: str | None
+    reports: int
+    dropped: int
+
+
+class EdgeTaskOut(pydantic.BaseModel):
+    """An open task of the edge's population as the edge sees it: a round it may hold
+    seats in (its `share`, once it joined), or a buffered session (its current version).
+    The fields of the other kind are null."""
+
+    kind: str = pydantic.Field(description="'aggregate', 'secure' (run by edges) or 'buffered'.")
+    id: int = pydantic.Field(description="The round's or the session's id.")
+    state: str
+    plan: str = pydantic.Field(description="The root-signed plan's blob.")
+    broadcast: str = pydantic.Field(
+        description="A round's broadcast blob; a session's current weights blob.")
+    seconds_left: float | None = None
+    target: int | None = None
+    capacity: int | None = None
+    quorum: int | None = None
+    share: ShareOut | None = None
+    version: int | None = pydantic.Field(default=None, description="A session's current version.")
+    buffer_size: int | None = None
+    max_staleness: int | None = None
+    pending: int | None = pydantic.Field(
+        default=None, description="A session's reports in the buffer, not applied yet.")
+
+
+class EdgeTasksOut(pydantic.BaseModel):
+    population: str
+    finished: bool
+    public_key: str = pydantic.Field(description="The root's plan-signing key (base64).")
+    tasks: list[EdgeTaskOut]
+
+
+class BatchInfo(pydantic.BaseModel):
+    session: int
+    edge: str
+    batch: int
+    digest: str
+    reports: int
+    stale: int
+
+
+class BatchOut(pydantic.BaseModel):
+    session: int
+    batch: int
+    accepted: int = pydantic.Field(description="Reports of the batch stored for the driver.")
+    stale: int = pydantic.Field(description="Reports refused as staler than max_staleness.")
+    replay: bool = pydantic.Field(description="This batch had been accepted before.")

@@ -37,10 +37,12 @@ class AnswerUploads:
     def __init__(self, server: state_lib.ServerState):
         self.server = server
 
-    def target(self, task_id: int) -> rounds_lib.Round:
-        return self.server.rounds.round(task_id)
+    def target(self, task_id: int, uploader: auth_lib.Uploader) -> rounds_lib.Round:
+        r = self.server.rounds.round(task_id)
+        intake.in_population(r, uploader, "round", task_id)
+        return r
 
-    def limit(self, target: rounds_lib.Round, slot: int) -> int:
+    def limit(self, target: rounds_lib.Round, upload: intake.Upload) -> int:
         folder = self.server.verified.folder(target.plan)
         capacity = target.capacity
         elements = sum(length for length, _ in folder.plan.secure_segments(max(capacity, 1)))

@@ -26,45 +26,85 @@ import base64
 from typing import Annotated, Any
 
 import fastapi
+from starlette import concurrency
 
 from fedlang.deploy import protocol
+from fedlang.deploy.plans import buffered as buffered_plan
+from fedlang.deploy.plans import folding
 from fedlang.deploy.server import auth as auth_lib
 from fedlang.deploy.server import intake, plans, routing, schemas
 from fedlang.deploy.server import state as state_lib
 from fedlang.deploy.server.routing import State
+from fedlang.deploy.store import edges as edges_lib
 from fedlang.deploy.store import sessions as sessions_lib
 
 SessionId = Annotated[int, fastapi.Path(ge=1, le=2**62, description="The session's id.")]
 VersionPath = Annotated[int, fastapi.Path(ge=0, le=2**62, description="The model version.")]
+BatchNumber = Annotated[int, fastapi.Path(ge=1, le=2**62, description="The edge's batch number.")]
+# Bytes a report may hold beyond its tensors (the value format's typed headers).
+REPORT_HEADERS = 1 << 16
 router = fastapi.APIRouter(prefix=protocol.API)
 
 
 class ReportUploads:
-    """A buffered session's reports, as the intake takes them: one per client and model
-    version, checked by the session's plan and stored as they came for the driver."""
+    """A buffered session's uploads, as the intake takes them: a client's report (one
+    per client and model version, checked by the session's plan), or an edge's batch of
+    its clients' reports (`plans.buffered.decode_batch`: each checked and bounded as if
+    its client had uploaded it here), stored as they came for the driver."""
 
     def __init__(self, server: state_lib.ServerState):
         self.server = server
 
-    def target(self, task_id: int) -> sessions_lib.Session:
-        return self.server.sessions.session(task_id)
+    def target(self, task_id: int, uploader: auth_lib.Uploader) -> sessions_lib.Session:
+        s = self.server.sessions.session(task_id)
+        intake.in_population(s, uploader, "session", task_id)
+        return s
 
-    def limit(self, target: sessions_lib.Session, slot: int) -> int:
-        return self.server.verified.buffered(target.plan).max_report_bytes + (1 << 20)
+    def _report_limit(self, target: sessions_lib.Session) -> int:
+        """The bytes one report may have: its tensors and their headers (the plan's check
+        then reads it with the exact limit)."""
+        return self.server.verified.buffered(target.plan).max_report_bytes + REPORT_HEADERS
+
+    def limit(self, target: sessions_lib.Session, upload: intake.Upload) -> int:
+        if upload.uploader.holds_seats:
+            return buffered_plan.max_batch_bytes(target.buffer_size,
+                                                 self._report_limit(target)) + (1 << 20)
+        return self._report_limit(target) + (1 << 20)
 
     def precheck(self, target: sessions_lib.Session, upload: intake.Upload) -> bool:
+        if upload.uploader.holds_seats:
+            return self.server.sessions.precheck_many(target.id, upload.client, upload.slot,
+                                                      upload.digest)
         return self.server.sessions.precheck(target.id, upload.client, upload.slot, upload.digest)
 
     def check(self, target: sessions_lib.Session, upload: intake.Upload) -> Any:
-        return self.server.verified.buffered(target.plan).check(upload.body)
+        """A client's checked report; a batch's (version, digest, bytes) items, each
+        report checked by the plan and its bounds here (the intake's bounds step sees
+        one report)."""
+        plan = self.server.verified.buffered(target.plan)
+        if not upload.uploader.holds_seats:
+            return plan.check(upload.body)
+        items = []
+        for version, data in buffered_plan.decode_batch(upload.body, target.buffer_size,
+                                                        self._report_limit(target)):
+            report = plan.check(data)
+            if plan.bounds is not None:
+                folding.check_bounds(plan.bounds, plan.leaves(report))
+            items.append((version, protocol.blob_hash(data), data))
+        return items
 
     def bounded(self, target: sessions_lib.Session, upload: intake.Upload) -> Any:
         plan = self.server.verified.buffered(target.plan)
-        if plan.bounds is None:
+        if plan.bounds is None or upload.uploader.holds_seats:  # (`check` bounded a batch's)
             return None
         return plan.bounds, plan.leaves(upload.checked)
 
     def accept(self, target: sessions_lib.Session, upload: intake.Upload) -> bool:
+        if upload.uploader.holds_seats:
+            return self.server.sessions.accept_many(
+                target.id, upload.client, upload.slot, upload.digest, len(upload.body),
+                upload.checked,
+            )
         return self.server.sessions.accept(
             target.id, upload.client, upload.slot, upload.digest, upload.body
         )
@@ -173,3 +213,62 @@ async def upload_report(
     new = await intake.take(server, request, auth, ReportUploads(server), session_id, version)
     return schemas.AsyncReportOut(session=session_id, version=version, accepted=True,
                                   replay=not new)
+
+
+# -- edges: batches of their clients' reports
+
+
+def edge_task(s: sessions_lib.Session) -> schemas.EdgeTaskOut:
+    """A session as an edge sees it (its current version)."""
+    return schemas.EdgeTaskOut(
+        kind=protocol.TaskKind.BUFFERED, id=s.id, state=s.state, plan=s.plan,
+        broadcast=s.weights, version=s.version, buffer_size=s.buffer_size,
+        max_staleness=s.max_staleness, pending=s.pending,
+    )
+
+
+@router.post("/edge/sessions/{session_id}/join", tags=["edge"])
+def join_session(session_id: SessionId, auth: auth_lib.Bearer, server: State
+                 ) -> schemas.EdgeTaskOut:
+    """The open buffered session of the edge's population it mirrors for its clients."""
+    who = auth_lib.edge(server, auth)
+    s = server.sessions.session(session_id)
+    intake.in_population(s, who, "session", session_id)
+    if s.state != sessions_lib.OPEN:
+        raise protocol.Gone(f"Expected an open session, found session {s.id} {s.state}.",
+                            reason="closed")
+    return edge_task(s)
+
+
+@router.put("/edge/sessions/{session_id}/batches/{batch}", tags=["edge"],
+            openapi_extra=routing.BINARY_BODY)
+async def upload_batch(
+    session_id: SessionId, batch: BatchNumber, request: fastapi.Request,
+    auth: auth_lib.Bearer, server: State,
+) -> schemas.BatchOut:
+    """Uploads the edge's batch `batch` of its clients' reports (`plans.buffered`: each
+    report with the version it trained). Taken whole or not at all: 503 `buffer_full`
+    when its reports do not fit the buffer's free room (send it again after the next
+    version). Reports staler than the session's maximum are counted as refused.
+    Idempotent: the same bytes again change nothing; other bytes get 409."""
+    new = await intake.take(server, request, auth, ReportUploads(server), session_id, batch,
+                            authenticate=auth_lib.edge)
+
+    def answer() -> sessions_lib.Batch:
+        (taken,) = server.sessions.batches(session_id, auth_lib.edge(server, auth).id, batch)
+        return taken
+
+    taken = await concurrency.run_in_threadpool(answer)
+    return schemas.BatchOut(session=session_id, batch=batch, accepted=taken.reports,
+                            stale=taken.stale, replay=not new)
+
+
+@router.get("/admin/sessions/{session_id}/edges", tags=["admin"])
+def session_batches(session_id: SessionId, auth: auth_lib.Bearer, server: State
+                    ) -> list[schemas.BatchInfo]:
+    """The batches edges forwarded to a session: their reports accepted and stale."""
+    auth_lib.admin(server, auth)
+    server.sessions.session(session_id)  # 404 for an unknown session
+    return [schemas.BatchInfo(session=b.session, edge=b.client.removeprefix(edges_lib.HOLDER),
+                              batch=b.batch, digest=b.digest, reports=b.reports, stale=b.stale)
+            for b in server.sessions.batches(session_id)]

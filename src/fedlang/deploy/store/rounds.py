@@ -8,26 +8,30 @@ the stage number of each client message). A checking-in client is assigned to an
 round with room (`checkin`), or told when to come back (pace steering, `store.Pace`:
 a client selected lately waits out its rest first, so that selection stays uniform).
 
-Accepting a report is one transaction: it locks the round's row, admits the report
-(`admission`: a replay, a second report, a client not assigned, a round closed),
-records the report's digest and replaces the round's aggregate with the report folded in
-(`fold_report`, which secure rounds use too). So a server killed at any moment has
-either accepted a report (and its aggregate holds it) or not, and a replayed report
-changes nothing. A round closes at its target, or at its deadline with at least its
-quorum of reports; below the quorum it fails.
+A client holds one **seat** of a round (its assignment); an edge aggregator holds several
+for its own clients (`edges.py` splits a round's seats among its edges), and its one
+upload, a partial aggregate, stands for the reports of its clients (`count`) and says
+how many of them dropped out. Every upload is admitted the same way (`admission`: a
+replay, a second upload, a holder of no seat, a round closed) and taken by the shards
+(`shards.ReportShards`): each server process folds reports in memory into its own
+*shard* of the round's aggregate, many to a transaction, and commits the shard's row
+(`aggregate_shards`) with their digests; a round's `reports` is its row's count plus
+its shards'. A round closes at its target, or at its deadline with at least its quorum
+of reports (below it, it fails): the close merges its shards into its aggregate, and
+counts as dropouts the seats still held without an upload and those its uploads said
+dropped out (`end_round`).
 
-The server takes plain rounds' reports faster than that (`shards.ReportShards`): each
-server process folds them in memory into its own *shard* of the round's aggregate, many
-reports to a transaction, and commits the shard's row (`aggregate_shards`) with their
-digests; a round's `reports` is its row's count plus its shards'. Closing a round
-merges its shards into its aggregate (`_close`), with the round's row locked.
+A secure round whose SecAgg+ stages run here (`secure.SecureRounds`: a `secure_rounds`
+row) takes its clients' messages stage by stage; one without (its seats held by edges,
+each running SecAgg+ over its own clients) takes partial aggregates through the shards
+and closes by count or deadline, as a plain round (`Round.folded`, `FOLDED`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fedlang.deploy import protocol
@@ -38,13 +42,9 @@ from fedlang.deploy.store import store as store_lib
 OPEN, CLOSED, FAILED = protocol.RoundState
 AGGREGATE, SECURE = protocol.TaskKind.AGGREGATE, protocol.TaskKind.SECURE
 ASSIGNED = admission.Assignment.ASSIGNED
-# A secure round of a population with edges is run by its edges, each over its own
-# clients (`edges.py`): it has no SecAgg+ state here (no `secure_rounds` row), no client
-# is assigned to it here, and it closes as a plain round does, by the edges' partials.
-RUN_BY_EDGES = (
-    f"(rounds.kind = '{SECURE.value}' AND NOT EXISTS"
-    " (SELECT 1 FROM secure_rounds s WHERE s.round = rounds.id))"
-)
+# A round whose uploads are folded by the shards and that closes by its count or deadline
+# (`Round.folded`): a plain round, or a secure round with no SecAgg+ stages here.
+FOLDED = "NOT EXISTS (SELECT 1 FROM secure_rounds s WHERE s.round = rounds.id)"
 
 _ROUND_FIELDS = (
     "id, population, kind, state, plan, broadcast, target, capacity, quorum, deadline, created,"
@@ -137,7 +137,14 @@ class Round:
     dropped: int
     refused: int
     failure: str
-    stage: int  # a secure round's SecAgg+ stage (secagg.Stage); 0 for other kinds
+    stage: int  # a secure round's SecAgg+ stage (secagg.Stage); 0 when none runs here
+
+    @property
+    def folded(self) -> bool:
+        """Whether its uploads are folded by the shards and it closes by count or deadline
+        (`FOLDED`): a plain round, or a secure round whose SecAgg+ runs elsewhere (its
+        seats held by edges, which forward their groups' sums)."""
+        return self.stage == 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -162,13 +169,20 @@ def _round_of(row: Any) -> Round:
 def end_round(
     tx: sql.Tx, round_id: int, state: protocol.RoundState, failure: str, now: float
 ) -> None:
-    """Ends a round in `state` (CLOSED or FAILED): its clients still assigned count as
-    dropped, and the store's counters record the dropouts and the outcome."""
-    dropped = tx.run(
+    """Ends a round in `state` (CLOSED or FAILED): the seats still held without an upload
+    count as dropped (an edge that did not forward took its clients with it), and so do
+    those its uploads said dropped out; the store's counters record the dropouts and the
+    outcome."""
+    seats = int(tx.one(
+        "SELECT COALESCE(SUM(seats), 0) FROM assignments WHERE round = ? AND state = ?",
+        (round_id, ASSIGNED),
+    )[0])
+    tx.run(
         "UPDATE assignments SET state = ?, updated = ? WHERE round = ? AND state = ?",
         (admission.Assignment.DROPPED, now, round_id, ASSIGNED),
     )
-    dropped += drop_edge_shares(tx, round_id)
+    dropped = seats + int(tx.one(
+        "SELECT COALESCE(SUM(dropped), 0) FROM reports WHERE round = ?", (round_id,))[0])
     tx.run(
         "UPDATE rounds SET state = ?, closed = ?, dropped = dropped + ?, failure = ?"
         " WHERE id = ?",
@@ -178,27 +192,12 @@ def end_round(
     tx.count(f"rounds:{state}")
 
 
-def drop_edge_shares(tx: sql.Tx, round_id: int) -> int:
-    """Marks dropped the shares of a round held by edges that had not forwarded their
-    partial aggregate when it ended (`edges.py`); returns their seats, which count as
-    dropouts (an edge that is gone took its clients with it)."""
-    seats = tx.one(
-        "SELECT COALESCE(SUM(capacity), 0) FROM edge_shares WHERE round = ? AND state = ?",
-        (round_id, ASSIGNED),
-    )[0]
-    tx.run(
-        "UPDATE edge_shares SET state = ? WHERE round = ? AND state = ?",
-        (admission.Assignment.DROPPED, round_id, ASSIGNED),
-    )
-    return int(seats)
-
-
 def fold_report(
     tx: sql.Tx, round_id: int, client_id: str, fold: Callable[[bytes], bytes], now: float
 ) -> None:
     """Folds an accepted report into its round's stored aggregate (`fold(aggregate)`),
-    marks the client's assignment reported, and counts the report, in `tx`. Every report
-    of every round is folded here."""
+    marks the client's assignment reported, and counts the report, in `tx` (a secure
+    round's plain report, taken with its client's masked input)."""
     aggregate = bytes(tx.one("SELECT data FROM aggregates WHERE round = ?", (round_id,))[0])
     tx.run(
         "UPDATE aggregates SET data = ?, reports = reports + 1 WHERE round = ?",
@@ -224,42 +223,70 @@ def record_upload(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What one holder has in a round, as admission reads it: the digest of its upload
+    accepted there (None: none yet), its assignment's state (None: it holds no seat),
+    and its seats."""
+
+    accepted: str | None = None
+    assignment: str | None = None
+    seats: int = 0
+
+
+def held(tx: sql.Tx, round_id: int, clients: Sequence[str], stage: int = 0) -> dict[str, Held]:
+    """What each of `clients` holds in round `round_id` (its upload of `stage`, its
+    seats), read in two statements whatever their number; a client with neither is
+    left out."""
+    marks = ", ".join("?" for _ in clients)
+    accepted = dict(tx.all(
+        f"SELECT client, digest FROM reports WHERE round = ? AND stage = ? AND client IN ({marks})",
+        (round_id, stage, *clients),
+    ))
+    seats = {str(c): (str(st), int(n)) for c, st, n in tx.all(
+        f"SELECT client, state, seats FROM assignments WHERE round = ? AND client IN ({marks})",
+        (round_id, *clients),
+    )}
+    return {
+        str(c): Held(None if c not in accepted else str(accepted[c]),
+                     *(seats.get(str(c)) or (None, 0)))
+        for c in {*accepted, *seats}
+    }
+
+
 def slot(
-    tx: sql.Tx, r: Round, client_id: str, stage: int = 0, part: str = "", upload: str = "report"
+    r: Round, h: Held, part: str = "", upload: str = "report"
 ) -> admission.Slot:
-    """The client's slot for an upload of `stage` to round `r` (see `admission`): open
-    while the round is; a plain round's report also needs the client still assigned."""
-    done = tx.one(
-        "SELECT digest FROM reports WHERE round = ? AND client = ? AND stage = ?",
-        (r.id, client_id, stage),
-    )
-    held = tx.one(
-        "SELECT state FROM assignments WHERE round = ? AND client = ?", (r.id, client_id)
-    )
-    return slot_of(r, None if done is None else str(done[0]),
-                   None if held is None else str(held[0]), part, upload)
-
-
-def slot_of(
-    r: Round, accepted: str | None, assignment: str | None, part: str = "",
-    upload: str = "report",
-) -> admission.Slot:
-    """A client's slot in round `r` (as `slot`), from its accepted upload's digest and its
-    assignment's state, read by the caller."""
-    still = r.kind == SECURE or assignment == ASSIGNED
+    """A holder's slot for an upload to round `r` (see `admission`), from what it holds
+    there (`held`): open while the round is; a folded round's upload also needs its
+    seats still held (not dropped)."""
+    still = not r.folded or h.assignment == ASSIGNED
     return admission.Slot(
-        owner=f"round {r.id}", part=part, upload=upload, accepted=accepted,
-        assignment=assignment, open=r.state == OPEN and still, state=r.state,
+        owner=f"round {r.id}", part=part, upload=upload, accepted=h.accepted,
+        assignment=h.assignment, open=r.state == OPEN and still, state=r.state,
     )
 
 
-def reports_only(r: Round) -> None:
-    """Raises Conflict unless `r` takes reports (a plain round)."""
-    if r.kind != AGGREGATE:
+def folded_only(r: Round) -> None:
+    """Raises Conflict unless `r` takes uploads folded by the shards (`Round.folded`)."""
+    if not r.folded:
         raise protocol.Conflict(
             f"Expected a report for an aggregate round, found round {r.id} of kind "
             f"'{r.kind}'; take part in its stages instead (GET /v1/rounds/{r.id}/secagg)."
         )
+
+
+def assign(tx: sql.Tx, r: Round, holder: str, now: float, seats: int = 1,
+           target: int = 1) -> None:
+    """Gives `holder` (a client, or an edge for its clients) `seats` seats of round `r`,
+    read locked in `tx`, which has room for them, and `target` of its reports to gather."""
+    tx.run(
+        "INSERT INTO assignments (round, client, state, assigned, updated, seats, target)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (r.id, holder, ASSIGNED, now, now, seats, target),
+    )
+    tx.run("UPDATE rounds SET assigned = assigned + ? WHERE id = ?", (seats, r.id))
+    tx.count("assignments", seats)
 
 
 class Rounds:
@@ -382,11 +409,6 @@ class Rounds:
                 end_round(tx, r.id, FAILED, failure, self.store.clock())
             return self.round_in(tx, round_id)
 
-    def close_in(self, tx: sql.Tx, r: Round, now: float) -> None:
-        """Closes (or fails) open round `r`, read locked in `tx`, whose target is met or
-        whose deadline passed (an edge's partial met it: `edges.py`)."""
-        self._close(tx, r, now)
-
     def _merge_shards(self, tx: sql.Tx, r: Round) -> str:
         """Folds the round's shards into its aggregate and its count, and deletes them;
         returns why the round fails ('' if it does not: their sum overflowing fails it)."""
@@ -416,12 +438,12 @@ class Rounds:
         return failure
 
     def close_if_done(self, round_id: int) -> None:
-        """Closes an open plain round whose shards reached its target or whose deadline
+        """Closes an open folded round whose shards reached its target or whose deadline
         passed (its row locked only now, for the close)."""
         now = self.store.clock()
         with self.store.transaction(write=True) as tx:
             r = self.round_in(tx, round_id, lock=True)
-            if r.kind == AGGREGATE and r.state == OPEN and (
+            if r.folded and r.state == OPEN and (
                 r.reports >= r.target or r.deadline <= now
             ):
                 self._close(tx, r, now)
@@ -440,15 +462,14 @@ class Rounds:
         return _round_of(row)
 
     def close_due(self) -> int:
-        """Closes or fails the open plain rounds (and secure rounds run by edges) whose
-        deadline passed; returns how many. (Secure rounds close by their stages:
+        """Closes or fails the open folded rounds whose deadline passed; returns how many.
+        (Secure rounds with stages here close by their stages:
         `secure.SecureRounds.close_due`.)"""
         now = self.store.clock()
         with self.store.transaction() as tx:
             due = [row[0] for row in tx.all(
-                f"SELECT id FROM rounds WHERE state = ? AND deadline <= ?"
-                f" AND (kind = ? OR {RUN_BY_EDGES})",
-                (OPEN, now, AGGREGATE),
+                f"SELECT id FROM rounds WHERE state = ? AND deadline <= ? AND {FOLDED}",
+                (OPEN, now),
             )]
         for round_id in due:
             with self.store.transaction(write=True) as tx:
@@ -486,12 +507,14 @@ class Rounds:
                 rest = last[1] + self.store.pace.rest(int(pop[0]), f"{client_id}/{last[0]}") - now
                 if round(rest, 3) > 0:  # (a wait rounded to 0 would be asked again at once)
                     return round(rest, 3)
+            # a client takes a seat where it can give every aggregation here: not in a
+            # secure round whose SecAgg+ runs elsewhere (its seats are its edges')
             candidates = tx.all(
                 "SELECT id FROM rounds WHERE population = ? AND state = ? AND deadline > ?"
                 " AND assigned < capacity AND NOT EXISTS (SELECT 1 FROM assignments a"
-                f" WHERE a.round = rounds.id AND a.client = ?) AND NOT {RUN_BY_EDGES}"
+                f" WHERE a.round = rounds.id AND a.client = ?) AND (kind = ? OR NOT {FOLDED})"
                 " ORDER BY id",
-                (population, OPEN, now, client_id),
+                (population, OPEN, now, client_id, AGGREGATE),
             )
             for (round_id,) in candidates:
                 r = self.round_in(tx, round_id, lock=True)
@@ -505,61 +528,21 @@ class Rounds:
                     continue
                 if r.state != OPEN or r.assigned >= r.capacity:
                     continue
-                tx.run(
-                    "INSERT INTO assignments (round, client, state, assigned, updated)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    (r.id, client_id, ASSIGNED, now, now),
-                )
-                tx.run("UPDATE rounds SET assigned = assigned + 1 WHERE id = ?", (r.id,))
-                tx.count("assignments")
+                assign(tx, r, client_id, now)
                 return Task(r.id, r.plan, r.broadcast, r.deadline, r.kind)
             # not sooner when a round is full: its deadline would gather a herd (`Pace`)
             return self.store.retry_after(int(pop[0]))
 
     # -- reports
 
-    def precheck(self, round_id: int, client_id: str, digest: str, r: Round | None = None) -> bool:
-        """Whether this exact report was already accepted (True: nothing to do); raises
-        what `accept` would for a report the round cannot take. `r`: the round's row as
-        the caller read it for this request (not read again; `accept` reads it locked)."""
+    def precheck(self, r: Round, client_id: str, digest: str) -> bool:
+        """Whether this exact upload to round `r` (its row as the caller read it) was
+        already accepted (True: nothing to do); raises what the shards would for an
+        upload the round cannot take (see `admission.admit`), before it is decoded."""
+        folded_only(r)
         with self.store.transaction() as tx:
-            return self._admissible(tx, r or self.round_in(tx, round_id), client_id, digest)
-
-    def _admissible(self, tx: sql.Tx, r: Round, client_id: str, digest: str) -> bool:
-        """Whether a report is a replay (see `admission.admit`), read in `tx`."""
-        reports_only(r)
-        return admission.admit(slot(tx, r, client_id), digest)
-
-    def accept(
-        self,
-        round_id: int,
-        client_id: str,
-        digest: str,
-        size: int,
-        fold: Callable[[bytes], bytes],
-    ) -> bool:
-        """Records a checked report and folds it into the round's aggregate, in one
-        transaction. Returns False for a replay of an accepted report (nothing changes).
-
-        Args:
-          fold: the round's aggregate -> the aggregate with this report folded in.
-
-        Raises:
-          Forbidden, Gone, Conflict: see `precheck`.
-        """
-        now = self.store.clock()
-        with self.store.transaction(write=True) as tx:
-            r = self.round_in(tx, round_id, lock=True)
-            if r.kind == AGGREGATE and r.state == OPEN and r.deadline <= now:
-                self._close(tx, r, now)
-                r = self.round_in(tx, round_id)
-            if self._admissible(tx, r, client_id, digest):
-                return False
-            fold_report(tx, r.id, client_id, fold, now)
-            record_upload(tx, r.id, client_id, 0, digest, size, now)
-            if r.reports + 1 >= r.target:
-                self._close(tx, self.round_in(tx, r.id), now)
-        return True
+            h = held(tx, r.id, [client_id]).get(client_id, Held())
+        return admission.admit(slot(r, h), digest)
 
     def count_refusal(self, reason: str, round_id: int) -> None:
         """Counts a refused upload (`refused:REASON`, and in its round: `late` or

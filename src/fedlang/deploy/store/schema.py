@@ -16,7 +16,20 @@ from __future__ import annotations
 
 from fedlang.deploy.store import sql
 
-VERSION = 11
+VERSION = 12
+
+BUFFERED_BATCHES = (
+    "CREATE TABLE IF NOT EXISTS buffered_batches (session {int} NOT NULL, client TEXT NOT NULL,"
+    " batch {int} NOT NULL, digest TEXT NOT NULL, size {int} NOT NULL,"
+    " reports {int} NOT NULL, stale {int} NOT NULL, accepted {real} NOT NULL,"
+    " PRIMARY KEY (session, client, batch))"
+)
+MIRRORS = (
+    "CREATE TABLE IF NOT EXISTS mirrors (kind TEXT NOT NULL, upstream {int} NOT NULL,"
+    " local {int} NOT NULL, uploads {int} NOT NULL DEFAULT 0,"
+    " forwarded_through {int} NOT NULL DEFAULT 0, sending_through {int},"
+    " outcome TEXT NOT NULL DEFAULT '', updated {real} NOT NULL, PRIMARY KEY (kind, upstream))"
+)
 
 TABLES = [
     # What every mode shares (store.py).
@@ -50,13 +63,20 @@ TABLES = [
     " late {int} NOT NULL DEFAULT 0, dropped {int} NOT NULL DEFAULT 0,"
     " refused {int} NOT NULL DEFAULT 0, failure TEXT NOT NULL DEFAULT '')",
     "CREATE INDEX IF NOT EXISTS rounds_by_state ON rounds (population, state)",
+    # A client holds one seat of a round; an edge aggregator holds several (`seats`), for
+    # its own clients, and gathers `target` of the round's reports (edges.py: how a
+    # round's seats are split among its edges).
     "CREATE TABLE IF NOT EXISTS assignments (round {int} NOT NULL, client TEXT NOT NULL,"
     " state TEXT NOT NULL, assigned {real} NOT NULL, updated {real} NOT NULL,"
+    " seats {int} NOT NULL DEFAULT 1, target {int} NOT NULL DEFAULT 1,"
     " PRIMARY KEY (round, client))",
     "CREATE INDEX IF NOT EXISTS assignments_by_client ON assignments (client, state)",
+    # An upload stands for `count` reports (an edge's partial aggregate: its clients'),
+    # and says how many of its holder's seats dropped out (`dropped`, counted at the close).
     "CREATE TABLE IF NOT EXISTS reports (round {int} NOT NULL, client TEXT NOT NULL,"
     " stage {int} NOT NULL DEFAULT 0, digest TEXT NOT NULL, size {int} NOT NULL,"
-    " accepted {real} NOT NULL, PRIMARY KEY (round, client, stage))",
+    " accepted {real} NOT NULL, count {int} NOT NULL DEFAULT 1,"
+    " dropped {int} NOT NULL DEFAULT 0, PRIMARY KEY (round, client, stage))",
     "CREATE TABLE IF NOT EXISTS aggregates (round {int} PRIMARY KEY, data {blob} NOT NULL,"
     " reports {int} NOT NULL)",
     # A plain round's reports folded in memory by each server process (shards.py): one
@@ -101,30 +121,16 @@ TABLES = [
     "CREATE TABLE IF NOT EXISTS task_refusals (task TEXT NOT NULL, reason TEXT NOT NULL,"
     " count {int} NOT NULL, PRIMARY KEY (task, reason))",
     # Edge aggregators, at the root (edges.py): each edge's credential (a hash; revoked:
-    # when), and its share of each round it joined: the seats it holds, then the digest
-    # and counts of the partial aggregate it forwarded.
+    # when). An edge's seats in a round are an assignment, its partial aggregate a report.
     "CREATE TABLE IF NOT EXISTS edges (name TEXT PRIMARY KEY, population TEXT NOT NULL,"
     " token_hash TEXT NOT NULL UNIQUE, created {real} NOT NULL, revoked {real})",
-    "CREATE TABLE IF NOT EXISTS edge_shares (round {int} NOT NULL, edge TEXT NOT NULL,"
-    " state TEXT NOT NULL, target {int} NOT NULL, capacity {int} NOT NULL,"
-    " joined {real} NOT NULL, digest TEXT, size {int}, reports {int} NOT NULL DEFAULT 0,"
-    " dropped {int} NOT NULL DEFAULT 0, accepted {real}, PRIMARY KEY (round, edge))",
-    # At an edge (upstream.py): which local round mirrors which round of the root, and
-    # whether its partial was forwarded (and what the root answered).
-    "CREATE TABLE IF NOT EXISTS upstream_rounds (upstream {int} PRIMARY KEY,"
-    " round {int} NOT NULL UNIQUE, forwarded {real}, outcome TEXT NOT NULL DEFAULT '')",
-    # Buffered sessions through edges (edge_sessions.py, upstream_sessions.py): at the
-    # root, each batch of reports an edge forwarded to a session (its digest, by which a
-    # replay is recognized, and its counts); at an edge, which local session mirrors
-    # which session of the root, the reports forwarded so far, and the batch being sent.
-    "CREATE TABLE IF NOT EXISTS edge_batches (session {int} NOT NULL, edge TEXT NOT NULL,"
-    " batch {int} NOT NULL, digest TEXT NOT NULL, size {int} NOT NULL,"
-    " reports {int} NOT NULL, stale {int} NOT NULL, accepted {real} NOT NULL,"
-    " PRIMARY KEY (session, edge, batch))",
-    "CREATE TABLE IF NOT EXISTS upstream_sessions (upstream {int} PRIMARY KEY,"
-    " session {int} NOT NULL UNIQUE, batches {int} NOT NULL DEFAULT 0,"
-    " forwarded_through {int} NOT NULL DEFAULT 0, sending_through {int},"
-    " outcome TEXT NOT NULL DEFAULT '')",
+    # Uploads of several session reports at once (sessions.py, `accept_many`: an edge's
+    # batches), numbered by their uploader: a replay is recognized by its digest.
+    BUFFERED_BATCHES,
+    # At an edge aggregator (mirrors.py): which local task mirrors which task of the root
+    # (`kind`, `upstream`), the uploads the root took of it, the last report forwarded and
+    # the last of the upload being sent, and how it ended ('' while it is mirrored).
+    MIRRORS,
     "CREATE TABLE IF NOT EXISTS buffered_reports (session {int} NOT NULL, seq {int} NOT NULL,"
     " client TEXT NOT NULL, version {int} NOT NULL, staleness {int} NOT NULL,"
     " digest TEXT NOT NULL, size {int} NOT NULL, data {blob} NOT NULL, accepted {real} NOT NULL,"
@@ -167,6 +173,58 @@ MIGRATIONS: dict[int, list[str]] = {
     # 10 -> 11: the index of the shards' report counts (`aggregate_shards_reports`,
     # created as any missing index).
     10: [],
+    # 11 -> 12: an edge holds seats (issue 34). Its share of a round becomes an assignment
+    # of `seats` and a `target` (`edge:NAME`), its forwarded partial a report standing for `count`
+    # reports (its `dropped`, already added to an open round's row, is taken back out:
+    # the close adds it); its batches become the sessions' `buffered_batches`; an edge's
+    # `upstream_rounds` and `upstream_sessions` become `mirrors`. (The old tables are
+    # made first when missing: a database older than version 8 never had them.)
+    11: [
+        "ALTER TABLE assignments ADD COLUMN seats {int} NOT NULL DEFAULT 1",
+        "ALTER TABLE assignments ADD COLUMN target {int} NOT NULL DEFAULT 1",
+        "ALTER TABLE reports ADD COLUMN count {int} NOT NULL DEFAULT 1",
+        "ALTER TABLE reports ADD COLUMN dropped {int} NOT NULL DEFAULT 0",
+        "CREATE TABLE IF NOT EXISTS edge_shares (round {int} NOT NULL, edge TEXT NOT NULL,"
+        " state TEXT NOT NULL, target {int} NOT NULL, capacity {int} NOT NULL,"
+        " joined {real} NOT NULL, digest TEXT, size {int}, reports {int} NOT NULL DEFAULT 0,"
+        " dropped {int} NOT NULL DEFAULT 0, accepted {real}, PRIMARY KEY (round, edge))",
+        "INSERT INTO assignments (round, client, state, assigned, updated, seats, target)"
+        " SELECT round, 'edge:' || edge, state, joined, COALESCE(accepted, joined), capacity,"
+        " target FROM edge_shares",
+        "INSERT INTO reports (round, client, stage, digest, size, accepted, count, dropped)"
+        " SELECT round, 'edge:' || edge, 0, digest, size, accepted, reports, dropped"
+        " FROM edge_shares WHERE digest IS NOT NULL",
+        "UPDATE rounds SET dropped = dropped - (SELECT COALESCE(SUM(e.dropped), 0)"
+        " FROM edge_shares e WHERE e.round = rounds.id AND e.digest IS NOT NULL)"
+        " WHERE state = 'open'",
+        "DROP TABLE edge_shares",
+        "CREATE TABLE IF NOT EXISTS edge_batches (session {int} NOT NULL, edge TEXT NOT NULL,"
+        " batch {int} NOT NULL, digest TEXT NOT NULL, size {int} NOT NULL,"
+        " reports {int} NOT NULL, stale {int} NOT NULL, accepted {real} NOT NULL,"
+        " PRIMARY KEY (session, edge, batch))",
+        BUFFERED_BATCHES,
+        "INSERT INTO buffered_batches (session, client, batch, digest, size, reports, stale,"
+        " accepted) SELECT session, 'edge:' || edge, batch, digest, size, reports, stale,"
+        " accepted FROM edge_batches",
+        "DROP TABLE edge_batches",
+        "CREATE TABLE IF NOT EXISTS upstream_rounds (upstream {int} PRIMARY KEY,"
+        " round {int} NOT NULL UNIQUE, forwarded {real}, outcome TEXT NOT NULL DEFAULT '')",
+        "CREATE TABLE IF NOT EXISTS upstream_sessions (upstream {int} PRIMARY KEY,"
+        " session {int} NOT NULL UNIQUE, batches {int} NOT NULL DEFAULT 0,"
+        " forwarded_through {int} NOT NULL DEFAULT 0, sending_through {int},"
+        " outcome TEXT NOT NULL DEFAULT '')",
+        MIRRORS,
+        "INSERT INTO mirrors (kind, upstream, local, uploads, outcome, updated)"
+        " SELECT r.kind, u.upstream, u.round, CASE WHEN u.outcome = 'accepted' THEN 1 ELSE 0"
+        " END, u.outcome, COALESCE(u.forwarded, r.created) FROM upstream_rounds u"
+        " JOIN rounds r ON r.id = u.round",
+        "INSERT INTO mirrors (kind, upstream, local, uploads, forwarded_through,"
+        " sending_through, outcome, updated) SELECT 'buffered', u.upstream, u.session,"
+        " u.batches, u.forwarded_through, u.sending_through, u.outcome, s.updated"
+        " FROM upstream_sessions u JOIN buffered_sessions s ON s.id = u.session",
+        "DROP TABLE upstream_rounds",
+        "DROP TABLE upstream_sessions",
+    ],
 }
 
 

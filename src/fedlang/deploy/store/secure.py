@@ -237,7 +237,8 @@ class SecureRounds:
         """True for a replay; raises what a message the round cannot take gets."""
         _check_kind(r)
         part = f"stage {stage} ({stage_name(stage)})"
-        slot = rounds_lib.slot(tx, r, client_id, stage, part, upload="message")
+        h = rounds_lib.held(tx, r.id, [client_id], stage).get(client_id, rounds_lib.Held())
+        slot = rounds_lib.slot(r, h, part, upload="message")
         if admission.admit(slot, digest):
             return True
         current = int(tx.one("SELECT stage FROM secure_rounds WHERE round = ?", (r.id,))[0])

@@ -17,6 +17,18 @@ store then, with the session's row locked:
 * otherwise stores the report itself, with its sequence number, version and staleness,
   before the client is told it was accepted.
 
+An edge aggregator forwards its clients' reports in **batches** (`accept_many`): batch `b`
+of an uploader to session `s` is one upload of `n` reports, each with the version its
+client trained, taken in one transaction as the same reports uploaded one by one now
+would be, with these differences: a replay is recognized by the batch's digest (other
+bytes for the same batch number: 409), batch numbers come in order; each report staler
+than `max_staleness` versions **now** is counted as refused stale and not stored, while
+the rest are; the batch is taken whole or not at all (503 `buffer_full` when its fresh
+reports do not fit the buffer's free room), so the buffer never holds more than
+`buffer_size` unapplied reports. Each stored report's client is `UPLOADER/BATCH.I` (an
+edge's own client ids stay at the edge); the batch's row is kept in `buffered_batches`.
+(`edge/sync.py` explains why an edge forwards the reports themselves, not their sum.)
+
 The driver (`driver.buffered`) reads the accepted reports in sequence order, folds them
 into the process's buffer and, when it is full, applies it and publishes the next
 version together with the new server state and the last report it folded: reports up
@@ -28,6 +40,7 @@ accepted since: none is lost, none is counted twice.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fedlang.deploy import protocol
@@ -87,6 +100,19 @@ class Report:
 
 
 @dataclasses.dataclass(frozen=True)
+class Batch:
+    """A batch of reports an uploader (an edge) forwarded: its fresh `reports` accepted,
+    `stale` ones refused."""
+
+    session: int
+    client: str
+    batch: int
+    digest: str
+    reports: int
+    stale: int
+
+
+@dataclasses.dataclass(frozen=True)
 class BufferedTask:
     """A client's task in a buffered session: train `version` (weights by hash)."""
 
@@ -140,9 +166,11 @@ class Sessions:
         buffer_size: int,
         max_staleness: int,
         request_id: str | None = None,
+        on_create: Callable[[sql.Tx, Session], None] | None = None,
     ) -> Session:
         """Opens a session of `population` at model `version` with `weights` (a blob), or
-        returns the session made for `request_id`.
+        returns the session made for `request_id`. `on_create(tx, session)` writes, in
+        the same transaction, what else the new session needs (an edge's mirror row).
 
         Raises:
           NotFound: no such population.
@@ -185,6 +213,8 @@ class Sessions:
                 (session_id, version, weights, now),
             )
             tx.count("sessions:opened")
+            if on_create is not None:
+                on_create(tx, self._session(tx, session_id))
             return self._session(tx, session_id)
 
     def reports(self, session_id: int, after: int, limit: int = 1000) -> list[Report]:
@@ -351,6 +381,142 @@ class Sessions:
                    (now, s.id))
             tx.count("reports:accepted")
         return True
+
+    # -- batches (edges)
+
+    def open_sessions(self, population: str) -> list[Session]:
+        """The open sessions of `population`, oldest first."""
+        with self.store.transaction() as tx:
+            ids = [row[0] for row in tx.all(
+                "SELECT id FROM buffered_sessions WHERE population = ? AND state = ?"
+                " ORDER BY id", (population, OPEN),
+            )]
+            return [self._session(tx, i) for i in ids]
+
+    def _admit_batch(self, tx: sql.Tx, s: Session, client_id: str, batch: int,
+                     digest: str) -> bool:
+        row = tx.one("SELECT digest FROM buffered_batches WHERE session = ? AND client = ?"
+                     " AND batch = ?", (s.id, client_id, batch))
+        slot = admission.Slot(
+            owner=f"session {s.id}", part=f"batch {batch}", upload="batch",
+            accepted=None if row is None else str(row[0]),
+            assignment=ASSIGNED,  # any edge of the population forwards to its sessions
+            open=s.state == OPEN, state=s.state, reason="closed",
+        )
+        if admission.admit(slot, digest):
+            return True
+        last = tx.one("SELECT MAX(batch) FROM buffered_batches WHERE session = ? AND client = ?",
+                      (s.id, client_id))[0]
+        want = 1 if last is None else int(last) + 1
+        if batch != want:
+            raise protocol.Conflict(
+                f"Expected batch {want} of session {s.id} (batches come in order), found "
+                f"batch {batch}."
+            )
+        return False
+
+    def precheck_many(self, session_id: int, client_id: str, batch: int, digest: str) -> bool:
+        """Whether this exact batch was accepted before (True: nothing to do); raises
+        what `accept_many` would for a batch the session cannot take."""
+        with self.store.transaction() as tx:
+            return self._admit_batch(tx, self._session(tx, session_id), client_id, batch, digest)
+
+    def accept_many(
+        self,
+        session_id: int,
+        client_id: str,
+        batch: int,
+        digest: str,
+        size: int,
+        items: Sequence[tuple[int, str, bytes]],
+    ) -> bool:
+        """Stores the checked reports of batch `batch`, `items` of (version, digest,
+        bytes), in one transaction (see the module docstring); False for a replay.
+
+        Raises:
+          Conflict, Gone: see `admission.admit`, and a batch out of order.
+          BadRequest: a report for a version the session has not published.
+          BufferFull: the batch's fresh reports do not fit the buffer's free room.
+        """
+        now = self.store.clock()
+        with self.store.transaction(write=True) as tx:
+            s = self._session(tx, session_id, lock=True)
+            if self._admit_batch(tx, s, client_id, batch, digest):
+                return False
+            for version, _, _ in items:
+                if version > s.version:
+                    raise protocol.BadRequest(
+                        f"Expected reports for versions up to {s.version} (the session's), "
+                        f"found one for version {version}."
+                    )
+            fresh = [(i, item) for i, item in enumerate(items)
+                     if s.version - item[0] <= s.max_staleness]
+            stale = len(items) - len(fresh)
+            if s.pending + len(fresh) > s.buffer_size:
+                raise protocol.BufferFull(
+                    f"Expected room for {len(fresh)} reports in the buffer of session {s.id}, "
+                    f"found {s.buffer_size - s.pending} of {s.buffer_size}; send the batch "
+                    "again after the next version."
+                )
+            tx.many(
+                "INSERT INTO buffered_reports (session, seq, client, version, staleness,"
+                " digest, size, data, accepted) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(s.id, seq, f"{client_id}/{batch}.{i}", version, s.version - version,
+                  report_digest, len(data), data, now)
+                 for seq, (i, (version, report_digest, data)) in enumerate(fresh, s.reports + 1)],
+            )
+            tx.run(
+                "UPDATE buffered_sessions SET reports = reports + ?,"
+                " refused_stale = refused_stale + ?, updated = ? WHERE id = ?",
+                (len(fresh), stale, now, s.id),
+            )
+            tx.run(
+                "INSERT INTO buffered_batches (session, client, batch, digest, size, reports,"
+                " stale, accepted) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (s.id, client_id, batch, digest, size, len(fresh), stale, now),
+            )
+            tx.count("reports:accepted", len(fresh))
+            tx.count("batches:accepted")
+            if stale:
+                tx.count("refused:stale", stale)
+        return True
+
+    def batches(self, session_id: int, client_id: str | None = None,
+                batch: int | None = None) -> list[Batch]:
+        """The batches forwarded to a session (only `client_id`'s batch `batch`, when
+        given), by uploader and number."""
+        only = "" if client_id is None else " AND client = ? AND batch = ?"
+        with self.store.transaction() as tx:
+            rows = tx.all(
+                "SELECT client, batch, digest, reports, stale FROM buffered_batches"
+                f" WHERE session = ?{only} ORDER BY client, batch",
+                (session_id,) + (() if client_id is None else (client_id, batch)),
+            )
+        return [Batch(session_id, str(c), int(b), str(d), int(n), int(t))
+                for c, b, d, n, t in rows]
+
+    # -- a session mirrored at an edge (`edge/sync.py`)
+
+    def advance(self, session_id: int, version: int, weights: str) -> None:
+        """Moves a mirrored session to the root's `version` (its weights by hash): its
+        clients' next check-ins get it. Versions may be skipped (the root stepped twice
+        between two looks)."""
+        now = self.store.clock()
+        with self.store.transaction(write=True) as tx:
+            s = self._session(tx, session_id, lock=True)
+            if version <= s.version:
+                return
+            tx.run("UPDATE buffered_sessions SET version = ?, weights = ?, updated = ?"
+                   " WHERE id = ?", (version, weights, now, session_id))
+            tx.run("INSERT INTO buffered_versions (session, version, weights, server_state,"
+                   " through, published) VALUES (?, ?, ?, '', ?, ?)",
+                   (session_id, version, weights, s.applied_through, now))
+
+    def release(self, tx: sql.Tx, session_id: int, through: int) -> None:
+        """In `tx`: the reports of a mirrored session up to sequence number `through` were
+        forwarded to the root, and leave its buffer (its clients' reports fit again)."""
+        tx.run("UPDATE buffered_sessions SET applied_through = ?, updated = ? WHERE id = ?",
+               (through, self.store.clock(), session_id))
 
     def count_refusal(self, reason: str, session_id: int) -> None:
         """Counts a refused upload (`refused:REASON`; a stale one also in its session)."""

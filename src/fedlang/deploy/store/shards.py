@@ -1,8 +1,9 @@
-"""Plain rounds' reports taken at network speed: folded in memory, committed in groups.
+"""Rounds' uploads taken at network speed: folded in memory, committed in groups.
 
-`rounds.Rounds.accept` takes one report per transaction: it locks the round's row,
-decodes the stored aggregate, folds the report in, and rewrites it. `ReportShards` takes
-the same reports with the same guarantees at a fraction of the cost:
+Every upload of a folded round (`rounds.Round.folded`) is taken here: a client's report,
+and an edge aggregator's partial aggregate, which stands for the reports of the seats it
+holds (its `count`; `folding.Folder.counts`). The guarantees are those of one report per
+transaction, at a fraction of the cost:
 
 * **a shard per process.** Each server process keeps, for each open round, the running
   aggregate of the reports it accepted in memory (its *shard*: accumulators, never
@@ -11,7 +12,8 @@ the same reports with the same guarantees at a fraction of the cost:
   rows, so several processes on one PostgreSQL take one round's reports in parallel.
 * **group commit.** Requests hand their checked reports to one writer thread per
   process, which takes all that are waiting in one transaction: it admits each
-  (`admission`, exactly as `Rounds.accept`: replays, 409/403/410), folds it into the
+  (`admission`: replays, 409/403/410; an upload standing for more reports and dropouts
+  than its holder's seats, 400), folds it into the
   shard (a report that would make the shard overflow is refused, 400 `overflow`),
   records its digest and its client's assignment, then writes each touched shard's row
   once, and commits. Each request is answered only after the commit that holds its
@@ -52,13 +54,16 @@ from fedlang.deploy.store import rounds as rounds_lib
 
 @dataclasses.dataclass
 class _Pending:
-    """One report waiting for the writer, and its answer once committed."""
+    """One upload waiting for the writer, and its answer once committed: the reports it
+    stands for (`count`: 1 for a client's report) and the seats it says dropped out."""
 
     round: int
     client: str
     digest: str
     size: int
     checked: Any
+    count: int = 1
+    dropped: int = 0
     answer: futures.Future[bool] = dataclasses.field(default_factory=futures.Future)
     result: bool | BaseException | None = None
 
@@ -73,29 +78,18 @@ class _Shard:
 
 @dataclasses.dataclass
 class _Group:
-    """A batch's reports to one round: the round's row, its count, and what the
-    admission of its clients reads (their accepted digests, their assignments), kept up
-    to date as the batch's reports are taken."""
+    """A batch's uploads to one round: the round's row, its count, and what its
+    uploaders hold there (`rounds.held`), kept up to date as the batch's uploads are
+    taken."""
 
     round: rounds_lib.Round
     count: int
-    accepted: dict[str, str]
-    held: dict[str, str]
+    held: dict[str, rounds_lib.Held]
     taken: list[_Pending] = dataclasses.field(default_factory=list)
 
     @classmethod
     def read(cls, tx: sql.Tx, r: rounds_lib.Round, clients: list[str]) -> _Group:
-        marks = ", ".join("?" for _ in clients)
-        accepted = tx.all(
-            f"SELECT client, digest FROM reports WHERE round = ? AND stage = 0 AND client IN ({marks})",
-            (r.id, *clients),
-        )
-        held = tx.all(
-            f"SELECT client, state FROM assignments WHERE round = ? AND client IN ({marks})",
-            (r.id, *clients),
-        )
-        return cls(r, r.reports, {str(c): str(d) for c, d in accepted},
-                   {str(c): str(st) for c, st in held})
+        return cls(r, r.reports, rounds_lib.held(tx, r.id, clients))
 
 
 class ReportShards:
@@ -122,12 +116,14 @@ class ReportShards:
         self._closed = False
 
     def accept(self, round_id: int, client_id: str, digest: str, size: int, checked: Any) -> bool:
-        """Accepts a checked report (`Folder.check`'s value) once it is committed; False
-        for a replay of an accepted report (nothing changes).
+        """Accepts a checked upload (`Folder.check`'s report, or `Folder.check_partial`'s
+        partial aggregate) once it is committed; False for a replay of an accepted upload
+        (nothing changes).
 
         Raises:
-          Forbidden, Gone, Conflict: as `Rounds.accept`.
-          ReportError: `overflow`: the report would make the round's aggregate overflow.
+          Forbidden, Gone, Conflict: see `admission.admit` (`rounds.folded_only`).
+          BadRequest: more reports and dropouts than the uploader's seats.
+          ReportError: `overflow`: the upload would make the round's aggregate overflow.
         """
         return self.submit(round_id, client_id, digest, size, checked).result()
 
@@ -138,7 +134,8 @@ class ReportShards:
         committed. The caller waits without holding a thread (`intake.take` awaits it on
         the event loop), so the reports waiting for one commit are not capped by the
         thread pool. Cancelling the future does not withdraw the report."""
-        pending = _Pending(round_id, client_id, digest, size, checked)
+        count, dropped = folding.Folder.counts(checked)
+        pending = _Pending(round_id, client_id, digest, size, checked, count, dropped)
         pending.answer.set_running_or_notify_cancel()  # from now on it cannot be cancelled
         with self._cond:
             if self._closed:
@@ -220,9 +217,10 @@ class ReportShards:
                 [(admission.Assignment.REPORTED, now, g.round.id, p.client) for g, p in taken],
             )
             tx.many(
-                "INSERT INTO reports (round, client, stage, digest, size, accepted)"
-                " VALUES (?, ?, 0, ?, ?, ?)",
-                [(g.round.id, p.client, p.digest, p.size, now) for g, p in taken],
+                "INSERT INTO reports (round, client, stage, digest, size, accepted, count,"
+                " dropped) VALUES (?, ?, 0, ?, ?, ?, ?, ?)",
+                [(g.round.id, p.client, p.digest, p.size, now, p.count, p.dropped)
+                 for g, p in taken],
             )
             for g in groups.values():
                 if isinstance(g, _Group) and g.taken:
@@ -230,10 +228,10 @@ class ReportShards:
                         "UPDATE aggregate_shards SET data = ?, reports = reports + ?"
                         " WHERE round = ? AND shard = ?",
                         (self.folders(g.round.plan).serialize(self._shards[g.round.id].accumulators),
-                         len(g.taken), g.round.id, self.shard),
+                         sum(p.count for p in g.taken), g.round.id, self.shard),
                     )
             if taken:
-                tx.count("reports:accepted", len(taken))
+                tx.count("reports:accepted", sum(p.count for _, p in taken))
         for round_id, g in groups.items():
             if not (isinstance(g, _Group) and g.round.state == rounds_lib.OPEN):
                 self._shards.pop(round_id, None)  # its shard was merged at its close
@@ -249,15 +247,20 @@ class ReportShards:
         return r.state == rounds_lib.OPEN and r.reports >= r.target
 
     def _take(self, tx: sql.Tx, g: _Group, p: _Pending, due: set[int], now: float) -> bool:
-        """Admits and folds one report; True if taken, False for a replay."""
+        """Admits and folds one upload; True if taken, False for a replay."""
         r = g.round
-        rounds_lib.reports_only(r)
+        rounds_lib.folded_only(r)
         if r.state == rounds_lib.OPEN and (r.deadline <= now or g.count >= r.target):
             due.add(r.id)  # as if closed: it closes once this transaction commits
             r = dataclasses.replace(r, state=rounds_lib.CLOSED)
-        slot = rounds_lib.slot_of(r, g.accepted.get(p.client), g.held.get(p.client))
-        if admission.admit(slot, p.digest):
+        held = g.held.get(p.client, rounds_lib.Held())
+        if admission.admit(rounds_lib.slot(r, held), p.digest):
             return False
+        if p.count + p.dropped > held.seats:
+            raise protocol.BadRequest(
+                f"Expected at most {held.seats} reports and dropouts (the seats held in round "
+                f"{r.id}), found {p.count} and {p.dropped}."
+            )
         folder = self.folders(r.plan)
         shard = self._shard(tx, r, folder)
         try:
@@ -267,10 +270,10 @@ class ReportShards:
             for q in g.taken:
                 folder.fold_into(shard.accumulators, q.checked)
             raise
-        g.accepted[p.client] = p.digest
-        g.held[p.client] = admission.Assignment.REPORTED
+        g.held[p.client] = dataclasses.replace(held, accepted=p.digest,
+                                               assignment=admission.Assignment.REPORTED)
         g.taken.append(p)
-        g.count += 1
+        g.count += p.count
         if g.count >= r.target:
             due.add(r.id)
         return True
