@@ -35,9 +35,9 @@ from fedlang.deploy.driver.context import RoundResult as RoundResult
 from fedlang.deploy.driver.context import client_data as client_data
 from fedlang.deploy.driver.context import client_state as client_state
 from fedlang.deploy.plans.bounds import ReportBounds as ReportBounds
+from fedlang.deploy.plans.compiler import DeploymentError as DeploymentError
 from fedlang.deploy.plans.folding import Folder as Folder
 from fedlang.deploy.plans.folding import ReportError as ReportError
-from fedlang.deploy.plans.round import DeploymentError as DeploymentError
 from fedlang.deploy.plans.round import RoundPlan as RoundPlan
 from fedlang.deploy.secagg import SecAggClient as SecAggClient
 from fedlang.deploy.secagg import SecAggError as SecAggError

@@ -3,7 +3,7 @@
 `DeploymentContext` evaluates a federated computation exactly like the simulation
 runtime (lazily, aggregations in waves) with one difference: a wave is not computed over
 chunks of clients held in memory, it becomes a round on real clients. The wave's plan
-(`plans.round.build`) and broadcast value go to a `RoundRunner` — the task store's server over
+(`plans.compiler.build`) and broadcast value go to a `RoundRunner` — the task store's server over
 HTTP in production (`rounds.ServerRounds`), or `LocalRounds` to run clients in this
 process — which returns the round's aggregate; the evaluation goes on with it. Server
 work between waves (e.g. applying the server optimizer) runs here, in the driver.
@@ -32,7 +32,7 @@ from fedlang.core import context as core_context
 from fedlang.core import intrinsic_defs, intrinsics, serialization, signing, structure, types
 from fedlang.deploy import secagg
 from fedlang.deploy.plans import bounds as bounds_lib
-from fedlang.deploy.plans import execution, folding
+from fedlang.deploy.plans import compiler, execution, folding
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.runtime import accumulate, lazy, reference, simulation
 
@@ -174,13 +174,13 @@ class _DeploymentRun(simulation.Run):
         super().__init__(ctx, None)  # type: ignore[arg-type]
         self.deployment = ctx
         # (the aggregation "writing" the new client states, the state it writes)
-        self.state_write: tuple[simulation.AggThunk, plan_lib.StateSource] | None = None
+        self.state_write: tuple[simulation.AggThunk, compiler.StateSource] | None = None
 
     def compute_wave(self, wave: list[simulation.AggThunk]) -> list[Any]:
-        round_plan, broadcast = plan_lib.build(wave, self.state_write, self.deployment.bounds)
+        round_plan, broadcast = compiler.build(wave, self.state_write, self.deployment.bounds)
         write = self.state_write[0] if self.state_write is not None else None
         if write is not None and write not in wave and not write.done and round_plan.state:
-            raise plan_lib.DeploymentError(
+            raise compiler.DeploymentError(
                 "A round reads the client state but another round would write its new "
                 "values (they depend on a value the server computes after this round), and "
                 "each round runs on its own clients. Compute the new states in the client "
@@ -268,14 +268,14 @@ class DeploymentContext:
                 [e for i, e in enumerate(cast(types.StructType, t.result).elements)
                  if i != spec.result])
         if types.contains_federated(returned) and _places_at_clients(returned):
-            raise plan_lib.DeploymentError(
+            raise compiler.DeploymentError(
                 f"{comp.name} returns {t.result}; a value placed at CLIENTS cannot be returned "
                 "from real clients. Aggregate it before returning it"
                 + (" (or declare client state with fl.with_client_state and pass "
                    "fedlang.deploy.client_state(name) for it)." if ref is None else ".")
             )
         run = _DeploymentRun(self)
-        sources: list[plan_lib.StateSource] = []
+        sources: list[compiler.StateSource] = []
         internal = _to_lazy(arg, t.parameter, "", spec, sources)
         node = comp.to_ir()
         fn = run.eval(node, {}) if hasattr(node, "parameter_name") else node.computation
@@ -342,7 +342,7 @@ def _to_lazy(
     t: types.Type | None,
     path: str,
     spec: client_state_lib.ClientStateSpec | None = None,
-    sources: list[plan_lib.StateSource] | None = None,
+    sources: list[compiler.StateSource] | None = None,
 ) -> Any:
     """The driver's argument in the lazy form: CLIENTS data become `DataSource`s, a
     `client_state(name)` a `StateSource` (recorded in `sources`)."""
@@ -354,25 +354,25 @@ def _to_lazy(
         if isinstance(value, ClientStateRef):
             if spec is None or not (spec.state_type.is_assignable_from(t.member)
                                     and t.member.is_assignable_from(spec.state_type)):
-                raise plan_lib.DeploymentError(
+                raise compiler.DeploymentError(
                     f"{path or 'The argument'} of type {t} was given client_state("
                     f"{value.name!r}); client state is passed for the state parameter of a "
                     "computation declared with fl.with_client_state (which gives the initial "
                     "state of a client seen for the first time)."
                 )
-            source = plan_lib.StateSource(value.name, t.member, spec.initialize)
+            source = compiler.StateSource(value.name, t.member, spec.initialize)
             if sources is not None:
                 sources.append(source)
             return source
         if not isinstance(value, ClientDataRef):
-            raise plan_lib.DeploymentError(
+            raise compiler.DeploymentError(
                 f"Expected {path or 'the argument'} of type {t} to be "
                 "fedlang.deploy.client_data(name), a reference to each client's own data "
                 "(or fedlang.deploy.client_state(name) for client state), found "
                 f"{types.describe(value)}. Real clients hold their data and state; the "
                 "driver cannot pass them."
             )
-        return plan_lib.DataSource(value.name, t.member)
+        return compiler.DataSource(value.name, t.member)
     if isinstance(t, types.StructType) and types.contains_federated(t):
         return tuple(
             _to_lazy(v, et, f"{path}{structure.field_path(n, i)}", spec, sources)

@@ -166,13 +166,8 @@ class BufferedPlan:
         Raises:
           SerializationError: if the bytes are not a valid buffered plan.
         """
-        try:
-            doc = json.loads(bytes(data).decode())
-            if not (isinstance(doc, dict) and doc.get("kind") == PLAN_KIND
-                    and doc.get("version") == PLAN_VERSION):
-                raise serialization.malformed(
-                    f"a buffered-session plan of version {PLAN_VERSION}", repr(doc)[:60]
-                )
+        with plan.reading("a buffered-session plan"):
+            doc = plan.document(data, "a buffered-session plan", PLAN_VERSION, PLAN_KIND)
             task = serialization.deserialize_computation(plan.unb64(doc["task"]), trusted=True)
             name = doc["data"]
             if not (isinstance(name, str) and name.isidentifier()):
@@ -183,10 +178,6 @@ class BufferedPlan:
             if doc.get("bounds") is not None:
                 declared = bounds_lib.Bounds.from_json(doc["bounds"],
                                                        bounds_lib.leaf_paths(report_t))
-        except serialization.SerializationError:
-            raise
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise serialization.malformed("a buffered-session plan", f"{type(e).__name__}: {e}") from e
         want = types.FunctionType(
             types.StructType([types.FederatedType(_data_type(task), types.CLIENTS),
                               types.FederatedType(weights_t, types.SERVER)]),
