@@ -41,7 +41,7 @@ import optax
 
 from fedlang import deploy
 from fedlang.deploy import protocol
-from fedlang.deploy.client import client as client_lib
+from fedlang.deploy.client import data as data_lib
 from fedlang.deploy.driver import buffered as buffered_driver
 from fedlang.learning import algorithms
 
@@ -76,7 +76,7 @@ class SlowData:
 
     def __init__(self, path: str | os.PathLike[str], batch_size: int, max_delay: float,
                  seed: int):
-        self.data = client_lib.NpzDataset(path, batch_size)
+        self.data = data_lib.NpzDataset(path, batch_size)
         self.max_delay = max_delay
         self.rng = random.Random(seed)
 

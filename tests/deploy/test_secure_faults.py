@@ -19,7 +19,7 @@ import pytest
 import fedlang as fl
 from fedlang import deploy
 from fedlang.core import context
-from fedlang.deploy.client import client as client_lib
+from fedlang.deploy.client import data as data_lib
 from fedlang.deploy.store import store as store_lib
 
 from .conftest import ROOT, wait_for
@@ -78,7 +78,7 @@ class Clients:
         """The simulation runtime's result over these clients' data."""
         with fl.runtime.simulation_context():
             return secure_and_plain(
-                [list(client_lib.NpzDataset(self.files[i], batch_size=2)) for i in which]
+                [list(data_lib.NpzDataset(self.files[i], batch_size=2)) for i in which]
             )
 
     def close(self):

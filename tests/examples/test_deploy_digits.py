@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fedlang as fl
-from fedlang.deploy.client import client as client_lib
+from fedlang.deploy.client import data as data_lib
 
 
 @pytest.mark.parametrize("num_clients", [1, 3, 9, 10, 20])
@@ -47,7 +47,7 @@ def test_fedavg_on_20_client_processes_reaches_85_percent_and_equals_the_simulat
     assert [r.reports for r in result["rounds"]] == [20] * rounds
     # the same rounds in the simulation runtime, on the clients' own batches
     process = result["process"]
-    batches = [list(client_lib.NpzDataset(f, batch_size=20)) for f in result["files"]]
+    batches = [list(data_lib.NpzDataset(f, batch_size=20)) for f in result["files"]]
     with fl.runtime.simulation_context():
         state = process.initialize()
         for _ in range(rounds):
@@ -71,7 +71,7 @@ def test_fedavg_with_secure_aggregation_on_client_processes_equals_the_simulatio
     assert len(details) == 2 * rounds  # the adaptive bounds' round, then the updates'
     assert all((d["kind"], d["state"], d["reports"]) == ("secure", "closed", 10) for d in details)
     process = result["process"]
-    batches = [list(client_lib.NpzDataset(f, batch_size=20)) for f in result["files"]]
+    batches = [list(data_lib.NpzDataset(f, batch_size=20)) for f in result["files"]]
     with fl.runtime.simulation_context():
         state = process.initialize()
         for _ in range(rounds):

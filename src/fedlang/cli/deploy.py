@@ -9,12 +9,14 @@ command runs.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import os
 import pathlib
 import signal
 import urllib.parse
+from collections.abc import Iterator
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -113,32 +115,8 @@ def serve(
     end; it says where the acknowledged reports are kept. It refuses a port in use and
     an SQLite database another server holds.
     """
-    if (upstream is None) != (upstream_token is None):
-        console.fail("Expected --upstream URL and --upstream-token TOKEN together (an edge "
-                     "aggregator), found only one; give both, or neither.", 2)
-    if ephemeral and upstream is None:
-        console.fail("Expected --upstream URL with --ephemeral (an edge aggregator), found "
-                     "none; give the root's URL and --upstream-token.", 2)
-    if workers is not None:
-        from fedlang.deploy.server import workers as workers_lib
-
-        try:
-            workers_lib.check(db, workers, metrics_port=metrics_port, upstream=upstream)
-        except ValueError as e:
-            console.fail(e, 2)
-    # Ctrl-C and SIGTERM are noted from the start (imports take seconds) and stop the
-    # server; while it serves uvicorn takes them, and raises them again once it stops
-    stopped: list[int] = []
-    made: list[Any] = []
-
-    def note(signum: int, frame: Any) -> None:
-        stopped.append(signum)
-        for s in made:
-            s.request_stop()
-
-    previous = {signum: signal.signal(signum, note) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        from fedlang.deploy import protocol
+    _check_roles(upstream, upstream_token, ephemeral, workers, db, metrics_port)
+    with _signals() as (stopped, made):
         from fedlang.deploy.server import serve as server_lib
         from fedlang.deploy.store import store as store_lib
 
@@ -148,13 +126,14 @@ def serve(
 
             temporary = tempfile.TemporaryDirectory(prefix="fedlang-edge-")
             db = str(pathlib.Path(temporary.name) / "edge.db")
-        try:
+        try:  # (a pace or limits that cannot be kept: ValueError)
             options: dict[str, Any] = dict(
                 pace=store_lib.Pace(checkins_per_second, min_retry, max_retry),
-                credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
-                browser=browser, demo_page=demo_page, limits=server_lib.Limits(
-                    header_timeout, body_timeout, keep_alive, max_connections,
-                    client_rate, client_burst, enroll_rate, enroll_burst),
+                credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile,
+                ssl_certfile=ssl_certfile, browser=browser, demo_page=demo_page,
+                limits=server_lib.Limits(header_timeout, body_timeout, keep_alive,
+                                         max_connections, client_rate, client_burst,
+                                         enroll_rate, enroll_burst),
                 # the defaults keep uvicorn's own logging, as before --log-format
                 log_format=None if (log_format, log_level) == ("text", "warning") else log_format,
                 log_level=log_level.lower(),
@@ -165,36 +144,15 @@ def serve(
             )
         except (OSError, ValueError, ImportError, server_lib.DatabaseInUse) as e:
             console.fail(e)
-        print(f"fedlang task store at {server.url} (database {db})", flush=True)
-        _print_dashboard(server.url)
-        if demo_page:
-            print(f"demo page: {server.url}/demo/", flush=True)
-        if server.admin_token is not None and admin_token is None:
-            print(f"admin token: {server.admin_token} (new: shown only now; the database keeps "
-                  "its hash)", flush=True)
-        elif admin_token is None:
-            print("admin token: the one set before (the database keeps only its hash; "
-                  "--admin-token sets another)", flush=True)
-        else:
-            print("admin token: the one given (--admin-token or FEDLANG_ADMIN_TOKEN)", flush=True)
-        print(f"public key: {base64.b64encode(server.public_key).decode()}", flush=True)
-        if server.metrics_url is not None:
-            print(f"metrics: {server.metrics_url} (no token; loopback only)", flush=True)
-        edge = None
+        _announce(server, db, admin_token, demo_page)
+        running: Any = server
         if upstream is not None:
-            edge = _edge(server, upstream, upstream_token or "", upstream_key)
-            population = [p for p in population or [] if p != edge.population]
-        for name in population or []:
-            try:
-                token = server.store.create_population(name)
-                print(f"population {name} token: {token}", flush=True)
-                if demo_page:
-                    print(f"  train in a browser: {server.url}/demo/#population={name}&token={token}",
-                          flush=True)
-            except protocol.Conflict:
-                print(f"population {name} exists (its token was printed when it was made)", flush=True)
-        running = server if edge is None else edge
+            running = _edge(server, upstream, upstream_token or "", upstream_key)
+            population = [p for p in population or [] if p != running.population]
+        _create_populations(server, population or [], demo_page)
         if workers is not None:  # the workers read the token's hash and the key the parent set
+            from fedlang.deploy.server import workers as workers_lib
+
             running = workers_lib.Workers(server, workers, {
                 **options, "db": db, "key": key_file, "metrics_port": metrics_port})
         made.append(running)
@@ -210,20 +168,99 @@ def serve(
             if temporary is not None:
                 temporary.cleanup()
         if stopped:
-            if ephemeral:
-                what = ("the ephemeral edge stopped and its store is removed: the root counts "
-                        "its clients as dropouts of the rounds it held")
-            else:
-                what = (f"the server stopped; every report it acknowledged is kept in "
-                        f"{_database(db)} (the same command serves it again); clients retry "
-                        "until it is back, for their --patience")
-            if log_format == "json":  # the last line too is one JSON object
-                logging.getLogger("fedlang.deploy.server").warning("%s.", what)
-                raise typer.Exit(128 + stopped[0])
-            _stopped(stopped[0], what)
-    finally:  # as they were (a command run in-process, e.g. by a test, leaves no trace)
+            _say_stopped(stopped[0], db, ephemeral, log_format)
+
+
+def _check_roles(upstream: str | None, upstream_token: str | None, ephemeral: bool,
+                 workers: int | None, db: str, metrics_port: int | None) -> None:
+    """Refuses (status 2) options of `serve` that do not go together: an edge's, and
+    --workers' (PostgreSQL only, no edge, no --metrics-port)."""
+    if (upstream is None) != (upstream_token is None):
+        console.fail("Expected --upstream URL and --upstream-token TOKEN together (an edge "
+                     "aggregator), found only one; give both, or neither.", 2)
+    if ephemeral and upstream is None:
+        console.fail("Expected --upstream URL with --ephemeral (an edge aggregator), found "
+                     "none; give the root's URL and --upstream-token.", 2)
+    if workers is not None:
+        from fedlang.deploy.server import workers as workers_lib
+
+        try:
+            workers_lib.check(db, workers, metrics_port=metrics_port, upstream=upstream)
+        except ValueError as e:
+            console.fail(e, 2)
+
+
+@contextlib.contextmanager
+def _signals() -> Iterator[tuple[list[int], list[Any]]]:
+    """Ctrl-C and SIGTERM noted from the start (imports take seconds): each asks what was
+    made (the second list, filled by the caller) to stop; the first list holds the
+    signals seen. While a server serves, uvicorn takes them, and raises them again once
+    it stops. The handlers are put back as they were on the way out (a command run
+    in-process, e.g. by a test, leaves no trace)."""
+    stopped: list[int] = []
+    made: list[Any] = []
+
+    def note(signum: int, frame: Any) -> None:
+        stopped.append(signum)
+        for s in made:
+            s.request_stop()
+
+    previous = {signum: signal.signal(signum, note) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stopped, made
+    finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _announce(server: Any, db: str, admin_token: str | None, demo_page: bool) -> None:
+    """What a starting server says: where it is, its dashboard, its admin token (a new
+    one shown only now), its public key, where its metrics are."""
+    print(f"fedlang task store at {server.url} (database {db})", flush=True)
+    _print_dashboard(server.url)
+    if demo_page:
+        print(f"demo page: {server.url}/demo/", flush=True)
+    if server.admin_token is not None and admin_token is None:
+        print(f"admin token: {server.admin_token} (new: shown only now; the database keeps "
+              "its hash)", flush=True)
+    elif admin_token is None:
+        print("admin token: the one set before (the database keeps only its hash; "
+              "--admin-token sets another)", flush=True)
+    else:
+        print("admin token: the one given (--admin-token or FEDLANG_ADMIN_TOKEN)", flush=True)
+    print(f"public key: {base64.b64encode(server.public_key).decode()}", flush=True)
+    if server.metrics_url is not None:
+        print(f"metrics: {server.metrics_url} (no token; loopback only)", flush=True)
+
+
+def _create_populations(server: Any, names: list[str], demo_page: bool) -> None:
+    """Creates each population of `--population` that is new, printing its token."""
+    from fedlang.deploy import protocol
+
+    for name in names:
+        try:
+            token = server.store.create_population(name)
+            print(f"population {name} token: {token}", flush=True)
+            if demo_page:
+                print(f"  train in a browser: {server.url}/demo/#population={name}&token={token}",
+                      flush=True)
+        except protocol.Conflict:
+            print(f"population {name} exists (its token was printed when it was made)", flush=True)
+
+
+def _say_stopped(signum: int, db: str, ephemeral: bool, log_format: str) -> NoReturn:
+    """Ends `serve` stopped by a signal, saying what was kept."""
+    if ephemeral:
+        what = ("the ephemeral edge stopped and its store is removed: the root counts "
+                "its clients as dropouts of the rounds it held")
+    else:
+        what = (f"the server stopped; every report it acknowledged is kept in "
+                f"{_database(db)} (the same command serves it again); clients retry "
+                "until it is back, for their --patience")
+    if log_format == "json":  # the last line too is one JSON object
+        logging.getLogger("fedlang.deploy.server").warning("%s.", what)
+        raise typer.Exit(128 + signum)
+    _stopped(signum, what)
 
 
 def _print_dashboard(url: str) -> None:
@@ -277,7 +314,7 @@ def _database(db: str) -> str:
 
 def _data_value(path: str, batch_size: int) -> Any:
     """A `--data` path as the client's dataset; checked now, before the client enrolls."""
-    from fedlang.deploy.client import client as client_lib
+    from fedlang.deploy.client import data as data_lib
 
     p = pathlib.Path(path)
     if not p.exists():
@@ -302,7 +339,7 @@ def _data_value(path: str, batch_size: int) -> Any:
             f"directory of one client, found {p}; convert it with numpy.savez (arrays) or "
             "`fedlang data convert` (a store)."
         )
-    return client_lib.NpzDataset(p, batch_size)  # checks the file's arrays
+    return data_lib.NpzDataset(p, batch_size)  # checks the file's arrays
 
 
 def client(

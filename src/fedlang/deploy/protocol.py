@@ -47,7 +47,7 @@ class SessionState(enum.StrEnum):
     CLOSED = "closed"
 
 
-TICKET_FIELDS = ("round", "kind", "plan", "broadcast", "version")
+TICKET_FIELDS = ("round", "session", "kind", "plan", "broadcast", "version")
 
 
 def ticket_payload(task: Mapping[str, Any]) -> bytes:

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 from fedlang import cli, deploy
 from fedlang.core import context, signing
 from fedlang.deploy import protocol
-from fedlang.deploy.client import client as client_lib
 from fedlang.deploy.client import connection
+from fedlang.deploy.client import data as data_lib
 
 from ..conftest import Gated, batch_sum
 
@@ -97,7 +97,7 @@ def test_a_client_with_an_expired_credential_enrolls_again(server_factory, clien
 def test_npz_data_are_read_in_batches(tmp_path):
     path = tmp_path / "client.npz"
     np.savez(path, x=np.arange(10, dtype=np.float32).reshape(5, 2), y=np.arange(5, dtype=np.int32))
-    batches = list(client_lib.NpzDataset(path, batch_size=2))
+    batches = list(data_lib.NpzDataset(path, batch_size=2))
     assert [len(b["y"]) for b in batches] == [2, 2, 1] and list(batches[0]) == ["x", "y"]
     with pytest.raises(ValueError, match=r"\.npz"):
         deploy.Client("http://127.0.0.1:9", "pop", "t", {"train": str(tmp_path / "data.csv")})

@@ -94,7 +94,8 @@ def _report(rows, version=0):
 
 def test_a_client_gets_the_signed_plan_and_the_current_weights(session):
     task = session.checkin(session.clients[0])["task"]
-    assert (task["kind"], task["round"], task["version"]) == ("buffered", session.session["id"], 0)
+    assert (task["kind"], task["session"], task["round"], task["version"]) == (
+        "buffered", session.session["id"], None, 0)
     key = base64.b64decode(session.clients[0]["public_key"])
     signed = session.http.get(f"{API}/blobs/{task['plan']}",
                               headers=bearer(session.clients[0]["credential"])).content

@@ -49,88 +49,18 @@ import logging
 import os
 import pathlib
 import threading
-import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
-
-import numpy as np
 
 from fedlang.core import signing
 from fedlang.deploy import protocol, secagg
 from fedlang.deploy.client import connection as connection_lib
+from fedlang.deploy.client import data as data_lib
 from fedlang.deploy.client import state as state_lib
 from fedlang.deploy.plans import cache, execution
 from fedlang.deploy.plans import round as plan_lib
 
 log = logging.getLogger("fedlang.deploy.client")
-
-
-class NpzDataset:
-    """The rows of an `.npz` file's arrays, in batches (the file is read when iterated).
-
-    Each element is a dict of the file's arrays (in their order in the file), row by row.
-
-    Raises:
-      FileNotFoundError: if there is no file at `path`.
-      ValueError: if it is not an `.npz` file of numeric arrays with as many rows each
-        (checked from the arrays' headers; the data are read when iterated).
-    """
-
-    def __init__(self, path: str | os.PathLike[str], batch_size: int = 20):
-        if batch_size < 1:
-            raise ValueError(f"Expected a batch size of at least 1, found {batch_size}.")
-        self.path = pathlib.Path(path)
-        self.batch_size = batch_size
-        self._check()
-
-    def _check(self) -> None:
-        path, fix = self.path, "save each client's arrays with numpy.savez(path, x=..., y=...)"
-        if not path.exists():
-            raise FileNotFoundError(
-                f"Expected client data at {path}, found no such file (in {pathlib.Path.cwd()});"
-                " check the path."
-            )
-        if not path.is_file():  # a pipe or a device: reading it now would consume it
-            return
-        shapes = {}
-        try:
-            with zipfile.ZipFile(path) as z:
-                for member in z.namelist():
-                    with z.open(member) as f:
-                        version = np.lib.format.read_magic(f)
-                        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                                else np.lib.format.read_array_header_2_0)
-                        shape, _, dtype = read(f)
-                    name = member.removesuffix(".npy")
-                    if dtype.hasobject:
-                        raise ValueError(f"array {name!r} of Python objects (pickled)")
-                    shapes[name] = shape
-        except (zipfile.BadZipFile, ValueError, OSError) as e:
-            raise ValueError(
-                f"Expected {path} to be an .npz file of numeric arrays, found another file "
-                f"({e}); {fix}."
-            ) from e
-        rows = {k: s[0] if s else None for k, s in shapes.items()}
-        if not rows:
-            raise ValueError(f"Expected {path} to hold arrays, found none; {fix}.")
-        if None in rows.values() or len(set(rows.values())) != 1:
-            raise ValueError(
-                f"Expected {path} to hold arrays with as many rows each, found "
-                f"{ {k: 'a scalar' if n is None else f'{n} rows' for k, n in rows.items()} }; {fix}."
-            )
-
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        with np.load(self.path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
-        lengths = {len(a) for a in arrays.values()}
-        if len(lengths) != 1:
-            raise ValueError(
-                f"Expected the arrays of {self.path} to have as many rows each, found "
-                f"{ {k: len(a) for k, a in arrays.items()} }."
-            )
-        (n,) = lengths
-        for start in range(0, n, self.batch_size):
-            yield {k: a[start : start + self.batch_size] for k, a in arrays.items()}
 
 
 def _dataset(value: Any, batch_size: int) -> Any:
@@ -140,7 +70,7 @@ def _dataset(value: Any, batch_size: int) -> Any:
             raise ValueError(
                 f"Expected client data as an .npz file of arrays (e.g. x and y), found {path}."
             )
-        return NpzDataset(path, batch_size)
+        return data_lib.NpzDataset(path, batch_size)
     return value
 
 
@@ -306,7 +236,7 @@ class Client:
         for that version; returns whether it was accepted (a stale one is refused)."""
         plan = self._verified().buffered(task["plan"])
         report = plan.run(self._blob(task["broadcast"]), self.data)
-        session, version = task["round"], task["version"]
+        session, version = task["session"], task["version"]
         try:
             self._request(
                 "PUT", f"{protocol.API}/sessions/{session}/reports/{version}", content=report,

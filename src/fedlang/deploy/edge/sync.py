@@ -461,13 +461,15 @@ class Edge:
         key = self._check_key(listing)
         if listing["finished"] and self.population is not None:
             self.state.store.finish_population(self.population)
-        listed = {(Kind(t["kind"]), int(t["id"])): t for t in listing["tasks"]}
+        kinds = {k.value: k for k in MIRRORS}  # (a kind this edge does not know: not served)
+        listed = {(kinds[t["kind"]], int(t["id"])): t for t in listing["tasks"]
+                  if t["kind"] in kinds}
         taken = 0
         for m in self.mirrors.all(pending=True):
             taken += MIRRORS[m.kind].step(self, m, listed.get((m.kind, m.upstream)))
         known = {(m.kind, m.upstream) for m in self.mirrors.all()} | self.passed
         for (kind, task_id), task in listed.items():
-            if (kind, task_id) not in known and kind in MIRRORS:
+            if (kind, task_id) not in known:
                 MIRRORS[kind].open(self, task, key)
         return taken
 

@@ -19,25 +19,18 @@ would hold every credential in the clear.
 from __future__ import annotations
 
 import json
-from typing import Annotated
 
 import fastapi
-import pydantic
 from fastapi import responses
 
 from fedlang.deploy import protocol
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.deploy.server import auth as auth_lib
-from fedlang.deploy.server import routing
+from fedlang.deploy.server import routing, schemas
 from fedlang.deploy.server.routing import State
 from fedlang.deploy.store import bulk as bulk_lib
 
 router = fastapi.APIRouter(prefix=protocol.API)
-
-
-class BulkIn(pydantic.BaseModel):
-    count: Annotated[int, pydantic.Field(
-        ge=1, le=bulk_lib.MAX_BULK, description="How many clients to enroll in this call.")]
 
 
 @router.post(
@@ -47,7 +40,7 @@ class BulkIn(pydantic.BaseModel):
                      "description": "A header line, then one line per client (shown once)."}},
 )
 def enroll_bulk(
-    name: routing.Population, body: BulkIn, auth: auth_lib.Bearer, server: State
+    name: routing.Population, body: schemas.BulkIn, auth: auth_lib.Bearer, server: State
 ) -> responses.Response:
     """Enrolls `count` clients of the population at once (at most 100,000 a call); the
     answer holds their credentials, shown only here."""

@@ -5,7 +5,8 @@ in), and the status (public)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import fastapi
 from fastapi import responses
@@ -21,6 +22,7 @@ from fedlang.deploy.server import sessions as sessions_routes
 from fedlang.deploy.server import state as state_lib
 from fedlang.deploy.server.routing import State
 from fedlang.deploy.store import rounds as rounds_lib
+from fedlang.deploy.store import sessions as sessions_lib
 
 router = fastapi.APIRouter(prefix=protocol.API)
 
@@ -161,27 +163,41 @@ def enroll(name: routing.Population, auth: auth_lib.Bearer, server: State,
     )
 
 
+def _round_task(server: state_lib.ServerState, t: rounds_lib.Task) -> schemas.TaskOut:
+    return schemas.TaskOut(
+        kind=t.kind, round=t.round, plan=t.plan, broadcast=t.broadcast, deadline=t.deadline,
+        seconds_left=max(0.0, t.deadline - server.store.clock()),
+    )
+
+
+def _session_task(server: state_lib.ServerState, t: sessions_lib.BufferedTask) -> schemas.TaskOut:
+    return schemas.TaskOut(kind=t.kind, session=t.session, plan=t.plan, broadcast=t.weights,
+                           version=t.version, deadline=0.0, seconds_left=0.0)
+
+
+# How a task of each kind is told to its client (`TaskOut`); a new mode adds its entry.
+TASKS: dict[protocol.TaskKind, Callable[[state_lib.ServerState, Any], schemas.TaskOut]] = {
+    protocol.TaskKind.AGGREGATE: _round_task,
+    protocol.TaskKind.SECURE: _round_task,
+    protocol.TaskKind.BUFFERED: _session_task,
+}
+
+
 @router.post("/checkin", tags=["client"])
 def checkin(auth: auth_lib.Bearer, server: State) -> schemas.CheckinOut:
     """A task, or how many seconds to wait before checking in again (pace steering),
-    or `finished` when the population has no more work."""
+    or `finished` when the population has no more work. A seat in a round comes first;
+    without one, the current version of the population's buffered session."""
     client_id, population = auth_lib.client(server, auth)
-    got = server.rounds.checkin(client_id, population)
-    if got is None:
+    offer: rounds_lib.Task | sessions_lib.BufferedTask | float | None = server.rounds.checkin(
+        client_id, population)
+    if offer is None:
         return schemas.CheckinOut(finished=True)
-    if isinstance(got, rounds_lib.Task):
-        return schemas.CheckinOut(task=_signed(server, schemas.TaskOut(
-            round=got.round, plan=got.plan, broadcast=got.broadcast, deadline=got.deadline,
-            seconds_left=max(0.0, got.deadline - server.store.clock()), kind=got.kind,
-        )))
-    buffered = server.sessions.checkin(client_id, population)  # no round: a session's task?
-    if buffered is not None:
-        return schemas.CheckinOut(task=_signed(server, schemas.TaskOut(
-            round=buffered.session, plan=buffered.plan, broadcast=buffered.weights,
-            deadline=0.0, seconds_left=0.0, kind=protocol.TaskKind.BUFFERED,
-            version=buffered.version,
-        )))
-    return schemas.CheckinOut(retry_after=got)
+    if isinstance(offer, float):  # no seat in a round (the wait pace steering asks)
+        offer = server.sessions.checkin(client_id, population) or offer
+    if isinstance(offer, float):
+        return schemas.CheckinOut(retry_after=offer)
+    return schemas.CheckinOut(task=_signed(server, TASKS[offer.kind](server, offer)))
 
 
 def _signed(server: State, task: schemas.TaskOut) -> schemas.TaskOut:

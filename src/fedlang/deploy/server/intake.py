@@ -121,11 +121,25 @@ class Uploads(Protocol, Generic[T]):
         """Counts a refused upload (`refused:REASON`, and in the task)."""
 
 
-def in_population(task: Any, uploader: auth_lib.Uploader, what: str, task_id: int) -> None:
-    """Raises NotFound, as for no such task, when `task` (a round, a session) is not of
-    the uploader's population: populations are isolated."""
-    if task.population != uploader.population:
-        raise protocol.NotFound(f"Expected an existing {what} id, found {task_id}.")
+class Owned(Protocol):
+    """A task's row, as far as `visible` reads it."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def population(self) -> str: ...
+
+
+TaskT = TypeVar("TaskT", bound=Owned)
+
+
+def visible(task: TaskT, who: auth_lib.Uploader, what: str) -> TaskT:
+    """`task` (a round, a session: `what`), if it is of the population of `who`; else
+    NotFound, as for no such task: populations are isolated."""
+    if task.population != who.population:
+        raise protocol.NotFound(f"Expected an existing {what} id, found {task.id}.")
+    return task
 
 
 async def read_limited(request: fastapi.Request, limit: int) -> bytes:

@@ -16,10 +16,9 @@ and `fedlang rounds` read, stopping a round, and `/metrics` for Prometheus.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import fastapi
-import pydantic
 from fastapi import responses
 
 from fedlang.deploy import protocol
@@ -36,90 +35,7 @@ PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 HOUR = 3600.0
 
 
-class MetricsIn(pydantic.BaseModel):
-    round: Annotated[int, pydantic.Field(ge=0, le=2**62, description="The round (or a buffered session's version).")]
-    metrics: Annotated[dict[str, Any], pydantic.Field(
-        description="{kind: {name: number}} (kinds: train, eval, or any); deeper mappings "
-        "are flattened into 'a/b' names. Finite numbers only.")]
-
-
-class MetricsStored(pydantic.BaseModel):
-    stored: int
-
-
-class ReleasedMetric(pydantic.BaseModel):
-    round: int
-    kind: str
-    name: str
-    value: float
-    released: float  # when (epoch seconds); pass the latest as `since` to get only newer
-
-
-class ReleasedMetrics(pydantic.BaseModel):
-    population: str
-    metrics: list[ReleasedMetric]
-
-
-class OverviewPopulation(pydantic.BaseModel):
-    name: str
-    enrolled: int
-    seen_last_hour: int  # enrolled clients that checked in during the last hour
-    finished: bool
-    created: float
-
-
-class OverviewRound(pydantic.BaseModel):
-    id: int
-    population: str
-    kind: str
-    state: str
-    stage: int  # a secure round's SecAgg+ stage; 0 for plain rounds
-    reports: int
-    target: int
-    quorum: int
-    assigned: int
-    dropouts: int
-    late: int
-    refused: int
-    refused_by_reason: dict[str, int]
-    created: float
-    closed: float | None
-    duration: float  # seconds from creation to its end, or to now while open
-    failure: str
-
-
-class OverviewSession(pydantic.BaseModel):
-    id: int
-    population: str
-    state: str
-    version: int
-    buffer_fill: int
-    buffer_size: int
-    max_staleness: int
-    accepted: int
-    refused_stale: int
-    refused_by_reason: dict[str, int]
-    staleness_histogram: dict[str, int]
-    created: float
-    updated: float
-    duration: float
-
-
-class Rates(pydantic.BaseModel):
-    checkins: list[list[float]]  # [[minute start (epoch seconds), check-ins in it], ...]
-    reports: list[list[float]]  # [[minute start, reports accepted in it], ...]
-
-
-class Overview(pydantic.BaseModel):
-    now: float
-    populations: list[OverviewPopulation]
-    rounds: list[OverviewRound]
-    sessions: list[OverviewSession]
-    totals: dict[str, Any]  # the counters of GET /v1/status (check-ins, reports, ...)
-    rates: Rates
-
-
-def overview(server: state_lib.ServerState, rounds: int = 20, sessions: int = 10) -> Overview:
+def overview(server: state_lib.ServerState, rounds: int = 20, sessions: int = 10) -> schemas.Overview:
     """What `GET /v1/admin/overview` answers (see the module docstring)."""
     now = server.store.clock()
     seen = metrics_lib.seen_since(server.store, now - HOUR)
@@ -129,17 +45,17 @@ def overview(server: state_lib.ServerState, rounds: int = 20, sessions: int = 10
         server.store,
         [f"round:{r.id}" for r in round_rows] + [f"session:{s.id}" for s in session_rows],
     )
-    return Overview(
+    return schemas.Overview(
         now=now,
         populations=[
-            OverviewPopulation(name=p["name"], enrolled=p["clients"],
+            schemas.OverviewPopulation(name=p["name"], enrolled=p["clients"],
                                seen_last_hour=seen.get(p["name"], 0), finished=p["finished"],
                                created=p["created"])
             for p in server.store.populations()
         ],
         rounds=[_round(r, refused[f"round:{r.id}"], now) for r in round_rows],
         sessions=[
-            OverviewSession(
+            schemas.OverviewSession(
                 **server.sessions.status(s), refused_by_reason=refused[f"session:{s.id}"],
                 created=s.created, updated=s.updated,
                 duration=(s.updated if s.state != "open" else now) - s.created,
@@ -147,12 +63,12 @@ def overview(server: state_lib.ServerState, rounds: int = 20, sessions: int = 10
             for s in session_rows
         ],
         totals=state_lib.totals(server.store.counters()),
-        rates=Rates(**server.telemetry.rate_series()),
+        rates=schemas.Rates(**server.telemetry.rate_series()),
     )
 
 
-def _round(r: rounds_lib.Round, refused: dict[str, int], now: float) -> OverviewRound:
-    return OverviewRound(
+def _round(r: rounds_lib.Round, refused: dict[str, int], now: float) -> schemas.OverviewRound:
+    return schemas.OverviewRound(
         id=r.id, population=r.population, kind=r.kind, state=r.state, stage=r.stage,
         reports=r.reports, target=r.target, quorum=r.quorum, assigned=r.assigned,
         dropouts=r.dropped, late=r.late, refused=r.refused, refused_by_reason=refused,
@@ -163,13 +79,13 @@ def _round(r: rounds_lib.Round, refused: dict[str, int], now: float) -> Overview
 
 @router.post("/admin/populations/{name}/metrics", status_code=201, tags=["admin"])
 def release_metrics(
-    name: routing.Population, body: MetricsIn, auth: auth_lib.Bearer, server: State
-) -> MetricsStored:
+    name: routing.Population, body: schemas.MetricsIn, auth: auth_lib.Bearer, server: State
+) -> schemas.MetricsStored:
     """Releases a round's metrics (replacing what was released for the same round, kind
     and name): what the dashboard plots over rounds."""
     auth_lib.admin(server, auth)
     try:
-        return MetricsStored(stored=metrics_lib.release(server.store, name, body.round, body.metrics))
+        return schemas.MetricsStored(stored=metrics_lib.release(server.store, name, body.round, body.metrics))
     except ValueError as e:
         raise protocol.BadRequest(str(e)) from e
 
@@ -178,12 +94,12 @@ def release_metrics(
 def released_metrics(
     name: routing.Population, auth: auth_lib.Bearer, server: State,
     since: Annotated[float | None, fastapi.Query(ge=0, le=1e12)] = None,
-) -> ReleasedMetrics:
+) -> schemas.ReleasedMetrics:
     """The population's released metrics by round, kind and name; with `since`, only
     those released after that time."""
     auth_lib.admin(server, auth)
     rows = metrics_lib.released(server.store, name, since)
-    return ReleasedMetrics(population=name, metrics=[ReleasedMetric(**r) for r in rows])
+    return schemas.ReleasedMetrics(population=name, metrics=[schemas.ReleasedMetric(**r) for r in rows])
 
 
 @router.get("/admin/overview", tags=["admin"])
@@ -191,7 +107,7 @@ def admin_overview(
     auth: auth_lib.Bearer, server: State,
     rounds: Annotated[int, fastapi.Query(ge=1, le=1000)] = 20,
     sessions: Annotated[int, fastapi.Query(ge=1, le=1000)] = 10,
-) -> Overview:
+) -> schemas.Overview:
     """Populations, the latest `rounds` rounds and `sessions` buffered sessions with
     their progress, the server's totals, and the rates of the last hour."""
     auth_lib.admin(server, auth)

@@ -35,9 +35,7 @@ class ReportUploads:
         self.server = server
 
     def target(self, task_id: int, uploader: auth_lib.Uploader) -> rounds_lib.Round:
-        r = self.server.rounds.round(task_id)
-        intake.in_population(r, uploader, "round", task_id)
-        return r
+        return intake.visible(self.server.rounds.round(task_id), uploader, "round")
 
     def limit(self, target: rounds_lib.Round, upload: intake.Upload) -> int:
         folder = self.server.verified.folder(target.plan)

@@ -7,11 +7,12 @@ A model's class name is its name in the OpenAPI schema, part of the published co
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import pydantic
 
 from fedlang.deploy import protocol
+from fedlang.deploy.store import bulk as bulk_lib
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 Hash = Annotated[str, pydantic.Field(pattern=protocol.BLOB_HASH, description="SHA-256, hex.")]
@@ -151,7 +152,9 @@ class EnrollOut(pydantic.BaseModel):
 
 
 class TaskOut(pydantic.BaseModel):
-    round: int
+    round: int | None = pydantic.Field(default=None, description="A round's task: the round.")
+    session: int | None = pydantic.Field(
+        default=None, description="A buffered task: the session.")
     plan: str = pydantic.Field(description="Blob of the signed plan (verify with the pinned key).")
     broadcast: str = pydantic.Field(description="Blob of the broadcast value.")
     deadline: float
@@ -159,16 +162,16 @@ class TaskOut(pydantic.BaseModel):
     kind: str = pydantic.Field(
         default="aggregate",
         description="'aggregate': upload one report; 'secure': take part in the stages of "
-        "GET /v1/rounds/{round}/secagg; 'buffered': train `version` of session `round` and "
-        "upload with PUT /v1/sessions/{round}/reports/{version} (no deadline: 0).",
+        "GET /v1/rounds/{round}/secagg; 'buffered': train `version` of session `session` and "
+        "upload with PUT /v1/sessions/{session}/reports/{version} (no deadline: 0).",
     )
     version: int | None = pydantic.Field(
         default=None, description="A buffered task's model version (the weights are `broadcast`)."
     )
     ticket: str = pydantic.Field(
         default="", description="The server's signature over the task (base64 signed envelope of "
-        "protocol.ticket_payload: round, kind, plan, broadcast, version): verify it with the "
-        "pinned key before downloading the plan or the broadcast."
+        "protocol.ticket_payload: round, session, kind, plan, broadcast, version): verify it "
+        "with the pinned key before downloading the plan or the broadcast."
     )
 
 
@@ -401,3 +404,94 @@ class BatchOut(pydantic.BaseModel):
     accepted: int = pydantic.Field(description="Reports of the batch stored for the driver.")
     stale: int = pydantic.Field(description="Reports refused as staler than max_staleness.")
     replay: bool = pydantic.Field(description="This batch had been accepted before.")
+
+
+# -- the operator: released metrics, the overview; bulk enrollment
+
+
+class MetricsIn(pydantic.BaseModel):
+    round: Annotated[int, pydantic.Field(ge=0, le=2**62, description="The round (or a buffered session's version).")]
+    metrics: Annotated[dict[str, Any], pydantic.Field(
+        description="{kind: {name: number}} (kinds: train, eval, or any); deeper mappings "
+        "are flattened into 'a/b' names. Finite numbers only.")]
+
+
+class MetricsStored(pydantic.BaseModel):
+    stored: int
+
+
+class ReleasedMetric(pydantic.BaseModel):
+    round: int
+    kind: str
+    name: str
+    value: float
+    released: float  # when (epoch seconds); pass the latest as `since` to get only newer
+
+
+class ReleasedMetrics(pydantic.BaseModel):
+    population: str
+    metrics: list[ReleasedMetric]
+
+
+class OverviewPopulation(pydantic.BaseModel):
+    name: str
+    enrolled: int
+    seen_last_hour: int  # enrolled clients that checked in during the last hour
+    finished: bool
+    created: float
+
+
+class OverviewRound(pydantic.BaseModel):
+    id: int
+    population: str
+    kind: str
+    state: str
+    stage: int  # a secure round's SecAgg+ stage; 0 for plain rounds
+    reports: int
+    target: int
+    quorum: int
+    assigned: int
+    dropouts: int
+    late: int
+    refused: int
+    refused_by_reason: dict[str, int]
+    created: float
+    closed: float | None
+    duration: float  # seconds from creation to its end, or to now while open
+    failure: str
+
+
+class OverviewSession(pydantic.BaseModel):
+    id: int
+    population: str
+    state: str
+    version: int
+    buffer_fill: int
+    buffer_size: int
+    max_staleness: int
+    accepted: int
+    refused_stale: int
+    refused_by_reason: dict[str, int]
+    staleness_histogram: dict[str, int]
+    created: float
+    updated: float
+    duration: float
+
+
+class Rates(pydantic.BaseModel):
+    checkins: list[list[float]]  # [[minute start (epoch seconds), check-ins in it], ...]
+    reports: list[list[float]]  # [[minute start, reports accepted in it], ...]
+
+
+class Overview(pydantic.BaseModel):
+    now: float
+    populations: list[OverviewPopulation]
+    rounds: list[OverviewRound]
+    sessions: list[OverviewSession]
+    totals: dict[str, Any]  # the counters of GET /v1/status (check-ins, reports, ...)
+    rates: Rates
+
+
+class BulkIn(pydantic.BaseModel):
+    count: Annotated[int, pydantic.Field(
+        ge=1, le=bulk_lib.MAX_BULK, description="How many clients to enroll in this call.")]

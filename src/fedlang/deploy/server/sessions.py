@@ -13,7 +13,7 @@ Admin (the driver, `driver.buffered`):
   and the driver's state, by blob hash, and the last report the buffer applied).
 * `POST /v1/admin/sessions/{session}/close`.
 
-Client: a check-in may return a task of kind `buffered` (`round` is the session id,
+Client: a check-in may return a task of kind `buffered` (`session` is the session id,
 `broadcast` the version's weights, `version` the version); the client uploads its report
 with `PUT /v1/sessions/{session}/reports/{version}` (the binary value format, of the
 plan's report type), through the intake (`ReportUploads`). Idempotent: the same bytes
@@ -56,9 +56,7 @@ class ReportUploads:
         self.server = server
 
     def target(self, task_id: int, uploader: auth_lib.Uploader) -> sessions_lib.Session:
-        s = self.server.sessions.session(task_id)
-        intake.in_population(s, uploader, "session", task_id)
-        return s
+        return intake.visible(self.server.sessions.session(task_id), uploader, "session")
 
     def _report_limit(self, target: sessions_lib.Session) -> int:
         """The bytes one report may have: its tensors and their headers (the plan's check
@@ -231,9 +229,7 @@ def edge_task(s: sessions_lib.Session) -> schemas.EdgeTaskOut:
 def join_session(session_id: SessionId, auth: auth_lib.Bearer, server: State
                  ) -> schemas.EdgeTaskOut:
     """The open buffered session of the edge's population it mirrors for its clients."""
-    who = auth_lib.edge(server, auth)
-    s = server.sessions.session(session_id)
-    intake.in_population(s, who, "session", session_id)
+    s = intake.visible(server.sessions.session(session_id), auth_lib.edge(server, auth), "session")
     if s.state != sessions_lib.OPEN:
         raise protocol.Gone(f"Expected an open session, found session {s.id} {s.state}.",
                             reason="closed")

@@ -57,7 +57,7 @@ class ServerState:
         self.secure = secure_lib.SecureRounds(self.rounds, self.verified.folder)
         self.sessions = sessions_lib.Sessions(store)  # buffered (FedBuff) sessions
         self.telemetry = telemetry_lib.Telemetry(store)  # /metrics, rates, request logs
-        self.edges = edges_lib.Edges(self.rounds)  # edge aggregators' shares of rounds
+        self.edges = edges_lib.Edges(self.rounds)  # edge aggregators: credentials, seats
         self.client_buckets = None if client_rate is None else ratelimit.Buckets(
             client_rate, "client")
         self.enroll_buckets = None if enroll_rate is None else ratelimit.Buckets(

@@ -120,6 +120,7 @@ class BufferedTask:
     plan: str
     weights: str
     version: int
+    kind: protocol.TaskKind = protocol.TaskKind.BUFFERED
 
 
 class Sessions:

@@ -622,11 +622,12 @@ export class FedlangClient {
   }
 
   // The task is the one the server signed: its ticket, verified with the pinned key,
-  // names the same round, kind, plan, broadcast (the model's weights) and version.
+  // names the same round (or session), kind, plan, broadcast (the model's weights) and
+  // version.
   async checkTicket(task) {
     const signed = JSON.parse(new TextDecoder().decode(
       await verifySigned(fromBase64(task.ticket || ""), this.pinned)));
-    for (const field of ["round", "kind", "plan", "broadcast", "version"]) {
+    for (const field of ["round", "session", "kind", "plan", "broadcast", "version"]) {
       if ((signed[field] ?? null) !== (task[field] ?? null)) {
         throw new FedlangError(`Expected the task the server signed, found another ${field} ` +
           `(${task[field]} where the server signed ${signed[field]}); someone between this ` +
