@@ -187,7 +187,7 @@ def test_helpers():
 
 def test_types_are_immutable_and_hashable():
     t = fl.TensorType(np.float32, [2])
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match=r"^TensorType is immutable$"):
         t.shape = (3,)
     assert len({t, fl.TensorType(np.float32, [2]), F32}) == 2
 

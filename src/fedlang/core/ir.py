@@ -7,7 +7,6 @@ Every node is immutable, checks its arguments in its constructor, has a read-onl
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,40 +17,25 @@ from fedlang.core import local, type_format, types
 LocalComputation = local.LocalComputation
 
 
-class Node(abc.ABC):
-    """Base class of IR nodes."""
+class Node(types.Frozen):
+    """Base class of IR nodes: immutable, compared and hashed by structure (`types.Frozen`)."""
 
+    _label = "IR node "
     _type: types.Type
 
     @property
     def type_signature(self) -> types.Type:
         return self._type
 
-    @abc.abstractmethod
-    def children(self) -> Iterator[Node]: ...
+    def children(self) -> Iterator[Node]:
+        """The nodes directly below this one, in order (none for a leaf)."""
+        return iter(())
 
-    @abc.abstractmethod
-    def _key(self) -> tuple: ...
 
-    @abc.abstractmethod
-    def __str__(self) -> str: ...
-
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self._key() == other._key()  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, self._key()))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self})"
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if getattr(self, "_frozen", False):
-            raise AttributeError(f"IR node {type(self).__name__} is immutable")
-        object.__setattr__(self, name, value)
-
-    def _freeze(self) -> None:
-        object.__setattr__(self, "_frozen", True)
+def _check_name(name: Any, what: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{what} must be a non-empty string, found {name!r}.")
+    return name
 
 
 def _check_type(t: Any, what: str) -> types.Type:
@@ -70,14 +54,9 @@ class Reference(Node):
     """A name bound by an enclosing Lambda or Block."""
 
     def __init__(self, name: str, type_signature: types.Type):
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"A reference name must be a non-empty string, found {name!r}.")
-        self.name = name
+        self.name = _check_name(name, "A reference name")
         self._type = _check_type(type_signature, "Reference type")
         self._freeze()
-
-    def children(self) -> Iterator[Node]:
-        return iter(())
 
     def _key(self) -> tuple:
         return (self.name, self._type)
@@ -115,8 +94,7 @@ class Block(Node):
 
     def __init__(self, locals_: list[tuple[str, Node]], result: Node):
         for name, node in locals_:
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"A local name must be a non-empty string, found {name!r}.")
+            _check_name(name, "A local name")
             _check_node(node, f"Local {name!r}")
         self.locals = tuple(locals_)
         self.result = _check_node(result, "Block result")
@@ -246,9 +224,6 @@ class Intrinsic(Node):
         self._type = type_signature
         self._freeze()
 
-    def children(self) -> Iterator[Node]:
-        return iter(())
-
     def _key(self) -> tuple:
         return (self.uri, self._type)
 
@@ -260,14 +235,9 @@ class Data(Node):
     """A reference to data held outside the IR (e.g. a dataset in a task store)."""
 
     def __init__(self, uri: str, type_signature: types.Type):
-        if not isinstance(uri, str) or not uri:
-            raise TypeError(f"A data URI must be a non-empty string, found {uri!r}.")
-        self.uri = uri
+        self.uri = _check_name(uri, "A data URI")
         self._type = _check_type(type_signature, "Data type")
         self._freeze()
-
-    def children(self) -> Iterator[Node]:
-        return iter(())
 
     def _key(self) -> tuple:
         return (self.uri, self._type)
@@ -292,9 +262,6 @@ class Literal(Node):
         self._type = type_signature
         self._freeze()
 
-    def children(self) -> Iterator[Node]:
-        return iter(())
-
     def _key(self) -> tuple:
         if self.value.dtype.kind == "T":  # string arrays hold pointers: compare the text
             return (self._type, tuple(self.value.ravel().tolist()))
@@ -316,9 +283,6 @@ class PlacementLiteral(Node):
         self._type = types.PlacementType()
         self._freeze()
 
-    def children(self) -> Iterator[Node]:
-        return iter(())
-
     def _key(self) -> tuple:
         return (self.placement.name,)
 
@@ -335,9 +299,6 @@ class Local(Node):
         self.computation = computation
         self._type = computation.type_signature
         self._freeze()
-
-    def children(self) -> Iterator[Node]:
-        return iter(())
 
     def _key(self) -> tuple:
         return (id(self.computation),)

@@ -52,14 +52,44 @@ PLACEMENTS = {p.name: p for p in (CLIENTS, SERVER)}
 # Types
 
 
-class Type(abc.ABC):
-    """Base class of all fedlang types. Types are immutable values."""
+class Frozen(abc.ABC):
+    """Base of immutable values compared by structure: the types below, and IR nodes
+    (`fedlang.core.ir.Node`).
+
+    A subclass sets its attributes in `__init__`, then calls `_freeze()`; setting one
+    afterwards raises `AttributeError`. Two values are equal when they are of the same
+    class with equal `_key()`s, and hash alike; `repr` is the class name around `str`.
+    """
+
+    # What the immutability error calls the class, before its name (IR nodes: "IR node ").
+    _label = ""
 
     @abc.abstractmethod
     def _key(self) -> tuple: ...
 
     @abc.abstractmethod
     def __str__(self) -> str: ...
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self._key() == other._key()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self._key()))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self})"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"{self._label}{type(self).__name__} is immutable")
+        object.__setattr__(self, name, value)
+
+    def _freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+
+class Type(Frozen):
+    """Base class of all fedlang types. Types are immutable values."""
 
     @abc.abstractmethod
     def is_assignable_from(self, source: Type) -> bool:
@@ -84,23 +114,6 @@ class Type(abc.ABC):
           >
         """
         return "\n".join(line.rstrip() for line in _lines(self))
-
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self._key() == other._key()  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, self._key()))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self})"
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if getattr(self, "_frozen", False):
-            raise AttributeError(f"{type(self).__name__} is immutable")
-        object.__setattr__(self, name, value)
-
-    def _freeze(self) -> None:
-        object.__setattr__(self, "_frozen", True)
 
 
 #: The string dtype: variable-width UTF-8 (NumPy's `StringDType`), printed `str` as in TFF.

@@ -20,12 +20,19 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
 from fedlang.core import intrinsic_defs, intrinsics, sparse, sparse_intrinsics, structure, types
-from fedlang.runtime import chunks
+from fedlang.runtime import chunks, reference
+
+#: An accumulator's running result as a value of its `partial_type` (internal form),
+#: which another accumulator of the same aggregation merges.
+Partial = Any
+#: The result of an aggregation over no clients, from the member type.
+Empty = Callable[[types.Type], chunks.Internal]
 
 
-def _leaf_chunks(cv: Any, t: types.Type) -> list[tuple[Any, bool]]:
+def _leaf_chunks(cv: chunks.ChunkValue, t: types.Type) -> list[tuple[chunks.Leaf, bool]]:
     """(leaf, is_replicated) pairs of a tensor-struct chunk value, in flatten order."""
     if isinstance(cv, chunks.Rep):
         return [(x, True) for x in structure.flatten(cv.value, t)]
@@ -40,7 +47,7 @@ def _leaf_chunks(cv: Any, t: types.Type) -> list[tuple[Any, bool]]:
 _HOST_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _host_float(x: Any) -> bool:
+def _host_float(x: chunks.Leaf) -> bool:
     """A float32/64 chunk in host memory: a NumPy array, or a JAX array on the CPU
     (NumPy reads it in place; XLA:CPU's reduction over the clients' axis is also
     several times slower than NumPy's)."""
@@ -51,11 +58,8 @@ def _host_float(x: Any) -> bool:
     return False
 
 
-def _acc_dtype(dt: np.dtype) -> Any:
+def _acc_dtype(dt: np.dtype) -> npt.DTypeLike:
     return np.float64 if dt.kind in "fc" else np.int64 if dt.kind in "iub" else dt
-
-
-Empty = Callable[[types.Type], Any]  # the result over no clients, from the member type
 
 
 def _widened(t: types.Type) -> types.Type:
@@ -83,20 +87,20 @@ class Accumulator:
     one accumulator fed the chunks of both.
     """
 
-    def add(self, cv: Any, c: int) -> None:
+    def add(self, cv: chunks.ChunkValue, c: int) -> None:
         raise NotImplementedError
 
-    def result(self) -> Any:
+    def result(self) -> chunks.Internal:
         raise NotImplementedError
 
     @property
     def partial_type(self) -> types.Type:
         raise TypeError(f"{type(self).__name__} cannot be aggregated in parts.")
 
-    def partial(self) -> Any:
+    def partial(self) -> Partial:
         raise TypeError(f"{type(self).__name__} cannot be aggregated in parts.")
 
-    def merge(self, partial: Any) -> None:
+    def merge(self, partial: Partial) -> None:
         raise TypeError(f"{type(self).__name__} cannot be aggregated in parts.")
 
 
@@ -104,9 +108,9 @@ class Sum(Accumulator):
     def __init__(self, member: types.Type, empty: Empty):
         self.member, self.empty = member, empty
         self.leaf_types = structure.leaf_types(member)
-        self.total: list[Any] | None = None
+        self.total: chunks.Leaves | None = None
 
-    def _chunk_sums(self, cv: Any, c: int) -> list[np.ndarray]:
+    def _chunk_sums(self, cv: chunks.ChunkValue, c: int) -> list[np.ndarray]:
         out = []
         for (x, rep), lt in zip(_leaf_chunks(cv, self.member), self.leaf_types):
             if rep:
@@ -117,20 +121,20 @@ class Sum(Accumulator):
                 out.append(np.asarray(jnp.sum(jnp.asarray(x), axis=0), _acc_dtype(lt.dtype)))
         return out
 
-    def add(self, cv: Any, c: int) -> None:
+    def add(self, cv: chunks.ChunkValue, c: int) -> None:
         self._add_total(self._chunk_sums(cv, c))
 
-    def _add_total(self, sums: list[Any]) -> None:
+    def _add_total(self, sums: chunks.Leaves) -> None:
         self.total = sums if self.total is None else [a + b for a, b in zip(self.total, sums)]
 
-    def result(self) -> Any:
+    def result(self) -> chunks.Internal:
         if self.total is None:
             return self.empty(self.member)
         return structure.unflatten(
             [t.astype(lt.dtype) for t, lt in zip(self.total, self.leaf_types)], self.member
         )
 
-    def _total_value(self) -> Any:
+    def _total_value(self) -> chunks.Internal:
         wide = _widened(self.member)
         if self.total is None:
             return structure.unflatten(
@@ -146,13 +150,13 @@ class Sum(Accumulator):
     def partial_type(self) -> types.Type:
         return _widened(self.member)
 
-    def partial(self) -> Any:
+    def partial(self) -> Partial:
         return self._total_value()
 
-    def merge(self, partial: Any) -> None:
+    def merge(self, partial: Partial) -> None:
         self._merge_total(partial)
 
-    def _merge_total(self, total: Any) -> None:
+    def _merge_total(self, total: chunks.Internal) -> None:
         self._add_total([np.asarray(x) for x in structure.flatten(total, _widened(self.member))])
 
 
@@ -161,11 +165,11 @@ class Mean(Sum):
         super().__init__(member, empty)
         self.count = 0
 
-    def add(self, cv: Any, c: int) -> None:
+    def add(self, cv: chunks.ChunkValue, c: int) -> None:
         super().add(cv, c)
         self.count += c
 
-    def result(self) -> Any:
+    def result(self) -> chunks.Internal:
         if self.total is None or self.count == 0:
             return self.empty(self.member)
         return structure.unflatten(
@@ -177,10 +181,10 @@ class Mean(Sum):
     def partial_type(self) -> types.Type:
         return _struct(total=_widened(self.member), count=_INT64)
 
-    def partial(self) -> Any:
+    def partial(self) -> Partial:
         return (self._total_value(), np.int64(self.count))
 
-    def merge(self, partial: Any) -> None:
+    def merge(self, partial: Partial) -> None:
         total, count = partial
         self._merge_total(total)
         self.count += int(count)
@@ -194,7 +198,7 @@ class WeightedMean(Sum):
         self.weight_type = weight_type
         self.weight_total = 0.0
 
-    def add(self, cv: Any, c: int) -> None:
+    def add(self, cv: chunks.ChunkValue, c: int) -> None:
         values, weights = cv
         w = (
             np.full(c, float(weights.value))
@@ -215,7 +219,7 @@ class WeightedMean(Sum):
         self._add_total(sums)
         self.weight_total += float(w.sum())
 
-    def result(self) -> Any:
+    def result(self) -> chunks.Internal:
         if self.total is None:
             return self.empty(self.member)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -229,10 +233,10 @@ class WeightedMean(Sum):
     def partial_type(self) -> types.Type:
         return _struct(total=_widened(self.member), weight=_FLOAT64)
 
-    def partial(self) -> Any:
+    def partial(self) -> Partial:
         return (self._total_value(), np.float64(self.weight_total))
 
-    def merge(self, partial: Any) -> None:
+    def merge(self, partial: Partial) -> None:
         total, weight = partial
         self._merge_total(total)
         self.weight_total += float(weight)
@@ -244,9 +248,9 @@ class Extremum(Accumulator):
         self.leaf_types = structure.leaf_types(member)
         self.reduce = np.minimum if is_min else np.maximum
         self.jreduce = jnp.min if is_min else jnp.max
-        self.best: list[Any] | None = None
+        self.best: chunks.Leaves | None = None
 
-    def add(self, cv: Any, c: int) -> None:
+    def add(self, cv: chunks.ChunkValue, c: int) -> None:
         if c == 0:
             return
         vals = [
@@ -255,12 +259,12 @@ class Extremum(Accumulator):
         ]
         self._fold(vals)
 
-    def _fold(self, vals: list[Any]) -> None:
+    def _fold(self, vals: chunks.Leaves) -> None:
         self.best = (
             vals if self.best is None else [self.reduce(a, b) for a, b in zip(self.best, vals)]
         )
 
-    def result(self) -> Any:
+    def result(self) -> chunks.Internal:
         if self.best is None:
             return self.empty(self.member)
         leaves = [b.astype(lt.dtype) for b, lt in zip(self.best, self.leaf_types)]
@@ -270,10 +274,10 @@ class Extremum(Accumulator):
     def partial_type(self) -> types.Type:
         return _struct(best=self.member, seen=types.TensorType(np.bool_))
 
-    def partial(self) -> Any:
+    def partial(self) -> Partial:
         return (self.result(), np.bool_(self.best is not None))
 
-    def merge(self, partial: Any) -> None:
+    def merge(self, partial: Partial) -> None:
         best, seen = partial
         if bool(seen):
             self._fold([np.asarray(x) for x in structure.flatten(best, self.member)])
@@ -285,32 +289,32 @@ class Aggregate(Accumulator):
     def __init__(
         self,
         member: types.Type,
-        zero: Any,
-        accumulate: Any,
-        merge: Any,
-        report: Any,
-        call: Callable,
+        zero: chunks.Internal,
+        accumulate: reference.Function,
+        merge: reference.Function,
+        report: reference.Function,
+        call: reference.Call,
         zero_type: types.Type | None = None,
     ):
         self.member, self.zero, self.zero_type = member, zero, zero_type
         self.accumulate_fn, self.merge_fn, self.report_fn = accumulate, merge, report
         self.call = call
-        self.total: Any = None
+        self.total: chunks.Internal | None = None
         self.count = 0
 
-    def add(self, cv: Any, c: int) -> None:
+    def add(self, cv: chunks.ChunkValue, c: int) -> None:
         partial = self.zero
         for v in chunks.unstack(cv, self.member, c):
             partial = self.call(self.accumulate_fn, (partial, v))
         self._fold(partial)
         self.count += c
 
-    def _fold(self, partial: Any) -> None:
+    def _fold(self, partial: chunks.Internal) -> None:
         self.total = (
             partial if self.total is None else self.call(self.merge_fn, (self.total, partial))
         )
 
-    def result(self) -> Any:
+    def result(self) -> chunks.Internal:
         total = self.zero if self.total is None else self.total
         return self.call(self.report_fn, total)
 
@@ -320,10 +324,10 @@ class Aggregate(Accumulator):
             raise TypeError("This federated_aggregate was set up without its zero's type.")
         return _struct(value=self.zero_type, count=_INT64)
 
-    def partial(self) -> Any:
+    def partial(self) -> Partial:
         return (self.zero if self.total is None else self.total, np.int64(self.count))
 
-    def merge(self, partial: Any) -> None:
+    def merge(self, partial: Partial) -> None:
         value, count = partial
         if int(count):
             self._fold(value)
@@ -350,7 +354,7 @@ class ModularSum(Accumulator):
     ):
         self.member, self.wrap, self.modulus = member, wrap, modulus
         self.leaf_types = structure.leaf_types(member)
-        self.total: list[Any] | None = None
+        self.total: chunks.Leaves | None = None
         self.count = 0
         # Partials are kept modulo a multiple of every final modulus (2^64 for bit
         # widths, whose group is 2^(b + ceil(log2 n)); the modulus itself otherwise).
@@ -359,8 +363,8 @@ class ModularSum(Accumulator):
             _fast_modulus(w, m) for w, m in zip(self.wrap, self.partial_moduli, strict=True)
         ]
 
-    def add(self, cv: Any, c: int) -> None:
-        sums: list[Any] = []
+    def add(self, cv: chunks.ChunkValue, c: int) -> None:
+        sums: chunks.Leaves = []
         for i, (x, rep) in enumerate(_leaf_chunks(cv, self.member)):
             if self.fast[i]:
                 wrapped = _wrap_u64(np.asarray(x), self.wrap[i])
@@ -374,7 +378,7 @@ class ModularSum(Accumulator):
         self._add_total(sums)
         self.count += c
 
-    def _add_total(self, sums: list[Any]) -> None:
+    def _add_total(self, sums: chunks.Leaves) -> None:
         if self.total is not None:
             sums = [a + b for a, b in zip(self.total, sums)]
         self.total = [
@@ -387,7 +391,7 @@ class ModularSum(Accumulator):
         totals = [types.TensorType(np.uint64, lt.shape) for lt in self.leaf_types]
         return _struct(totals=types.StructType(totals), count=_INT64)
 
-    def partial(self) -> Any:
+    def partial(self) -> Partial:
         totals = []
         for i, lt in enumerate(self.leaf_types):
             total = 0 if self.total is None else self.total[i]
@@ -405,7 +409,7 @@ class ModularSum(Accumulator):
             totals.append(np.asarray(reduced.astype(np.uint64)))
         return (tuple(totals), np.int64(self.count))
 
-    def merge(self, partial: Any) -> None:
+    def merge(self, partial: Partial) -> None:
         totals, count = partial
         self._add_total(
             [
@@ -415,7 +419,7 @@ class ModularSum(Accumulator):
         )
         self.count += int(count)
 
-    def result(self) -> Any:
+    def result(self) -> chunks.Internal:
         moduli = self.modulus(self.count)
         leaves = []
         for i, lt in enumerate(self.leaf_types):
@@ -451,7 +455,7 @@ def _wrap_u64(x: np.ndarray, wrap: int) -> np.ndarray:
     return np.mod(x.astype(np.int64), np.int64(wrap)).astype(np.uint64)
 
 
-def _reduce_u64(x: Any, modulus: int) -> Any:
+def _reduce_u64(x: chunks.Leaf, modulus: int) -> chunks.Leaf:
     """A uint64 total modulo `modulus` (a power of two <= 2^64, or at most 2^32)."""
     if modulus == 1 << 64:
         return x
@@ -478,12 +482,12 @@ class Collect(Accumulator):
 
     def __init__(self, member: types.Type):
         self.member = member
-        self.values: list[Any] = []
+        self.values: list[chunks.Internal] = []
 
-    def add(self, cv: Any, c: int) -> None:
+    def add(self, cv: chunks.ChunkValue, c: int) -> None:
         self.values.extend(chunks.unstack(cv, self.member, c))
 
-    def result(self) -> Any:
+    def result(self) -> chunks.Internal:
         return self.values
 
 
@@ -500,14 +504,14 @@ class SparseSum(Accumulator):
         self.leaves = cast("list[types.SparseTensorType]", types.tensor_leaves(member))
         self.running: list[Any] | None = None
 
-    def _client_leaves(self, value: Any) -> list[sparse.SparseTensor]:
+    def _client_leaves(self, value: chunks.Internal) -> list[sparse.SparseTensor]:
         flat = structure.flatten(value, self.member)  # (indices, values) per sparse leaf
         return [
             sparse.SparseTensor.from_parts(flat[2 * i], flat[2 * i + 1], lt.dense_shape)
             for i, lt in enumerate(self.leaves)
         ]
 
-    def add(self, cv: Any, c: int) -> None:
+    def add(self, cv: chunks.ChunkValue, c: int) -> None:
         flat_clients = [self._client_leaves(v) for v in chunks.unstack(cv, self.member, c)]
         parts: list[Any] = []
         for i, lt in enumerate(self.leaves):
@@ -526,7 +530,7 @@ class SparseSum(Accumulator):
         else:
             self.running = [_merge(a, b) for a, b in zip(self.running, parts)]
 
-    def result(self) -> Any:
+    def result(self) -> chunks.Internal:
         if self.running is None:
             return self.empty(self.member)
         if self.mode == "dense":
@@ -555,7 +559,7 @@ class SparseSum(Accumulator):
             ]
         )
 
-    def partial(self) -> Any:
+    def partial(self) -> Partial:
         if self.mode == "dense":
             if self.running is None:
                 return intrinsics.zeros(self.partial_type)
@@ -563,7 +567,7 @@ class SparseSum(Accumulator):
         parts = self.running or [_union(lt, []) for lt in self.leaves]
         return tuple(tuple(p) for p in parts)
 
-    def merge(self, partial: Any) -> None:
+    def merge(self, partial: Partial) -> None:
         if self.mode == "dense":
             self._merge_parts(
                 [np.asarray(x) for x in structure.flatten(partial, self.partial_type)]
@@ -572,7 +576,9 @@ class SparseSum(Accumulator):
             self._merge_parts([tuple(np.asarray(x) for x in p) for p in partial])
 
 
-def _union(lt: Any, sts: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _union(
+    lt: types.SparseTensorType, sts: list[sparse.SparseTensor]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rank = len(lt.dense_shape)
     parts = [sparse.coalesce(st.indices, np.asarray(st.values, lt.dtype)) for st in sts]
     if not parts:
@@ -606,7 +612,9 @@ def _merge(a: tuple, b: tuple) -> tuple:
 # its first element, or the zip of its two CLIENTS elements.
 WHOLE, FIRST, ZIPPED = "whole", "first", "zipped"
 
-Factory = Callable[[Any, types.Type, tuple, Callable], Accumulator]
+#: The concrete non-client elements of an aggregation's argument (see above).
+ServerArgs = tuple
+Factory = Callable[[intrinsics.IntrinsicDef, types.Type, ServerArgs, reference.Call], Accumulator]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -632,7 +640,7 @@ class Aggregation:
             return cast(types.FederatedType, elements[0]).member
         return types.StructType([cast(types.FederatedType, e).member for e in elements])
 
-    def server_args(self, arg: Any) -> tuple:
+    def server_args(self, arg: reference.Value) -> ServerArgs:
         """The non-client elements of an argument (empty unless FIRST)."""
         return tuple(arg[1:]) if self.clients == FIRST else ()
 
@@ -641,7 +649,13 @@ def _member(t: types.Type) -> types.Type:
     return cast(types.FederatedType, t).member
 
 
-def _secure(d: Any, t: types.Type, server_args: tuple, call: Callable) -> Accumulator:
+def _empty(d: intrinsics.IntrinsicDef) -> Empty:
+    return cast(Empty, d.empty)  # every aggregation in the table below defines one
+
+
+def _secure(
+    d: intrinsics.IntrinsicDef, t: types.Type, server_args: ServerArgs, call: reference.Call
+) -> Accumulator:
     arg_t = cast(types.StructType, t)
     member = _member(arg_t.types[0])
     bounds = intrinsic_defs.secure_bounds(server_args[0], arg_t.types[1], member)
@@ -650,31 +664,35 @@ def _secure(d: Any, t: types.Type, server_args: tuple, call: Callable) -> Accumu
     return ModularSum(member, [2**b for b in bounds], bitwidth_moduli(bounds))
 
 
-def _aggregate(d: Any, t: types.Type, server_args: tuple, call: Callable) -> Accumulator:
+def _aggregate(
+    d: intrinsics.IntrinsicDef, t: types.Type, server_args: ServerArgs, call: reference.Call
+) -> Accumulator:
     arg_t = cast(types.StructType, t)
     zero, acc, merge, report = server_args
     return Aggregate(_member(arg_t.types[0]), zero, acc, merge, report, call, arg_t.types[1])
 
 
-def _weighted(d: Any, t: types.Type, server_args: tuple, call: Callable) -> Accumulator:
+def _weighted(
+    d: intrinsics.IntrinsicDef, t: types.Type, server_args: ServerArgs, call: reference.Call
+) -> Accumulator:
     values_t, weights_t = cast(types.StructType, t).types
-    return WeightedMean(_member(values_t), _member(weights_t), d.empty)
+    return WeightedMean(_member(values_t), _member(weights_t), _empty(d))
 
 
 def _sparse(mode: str) -> Factory:
-    return lambda d, t, server_args, call: SparseSum(_member(t), mode, d.empty)
+    return lambda d, t, server_args, call: SparseSum(_member(t), mode, _empty(d))
 
 
 _defs = intrinsic_defs
 AGGREGATIONS: dict[str, Aggregation] = {
-    _defs.FEDERATED_SUM.uri: Aggregation(WHOLE, lambda d, t, a, c: Sum(_member(t), d.empty)),
-    _defs.FEDERATED_MEAN.uri: Aggregation(WHOLE, lambda d, t, a, c: Mean(_member(t), d.empty)),
+    _defs.FEDERATED_SUM.uri: Aggregation(WHOLE, lambda d, t, a, c: Sum(_member(t), _empty(d))),
+    _defs.FEDERATED_MEAN.uri: Aggregation(WHOLE, lambda d, t, a, c: Mean(_member(t), _empty(d))),
     _defs.FEDERATED_WEIGHTED_MEAN.uri: Aggregation(ZIPPED, _weighted),
     _defs.FEDERATED_MIN.uri: Aggregation(
-        WHOLE, lambda d, t, a, c: Extremum(_member(t), True, d.empty)
+        WHOLE, lambda d, t, a, c: Extremum(_member(t), True, _empty(d))
     ),
     _defs.FEDERATED_MAX.uri: Aggregation(
-        WHOLE, lambda d, t, a, c: Extremum(_member(t), False, d.empty)
+        WHOLE, lambda d, t, a, c: Extremum(_member(t), False, _empty(d))
     ),
     _defs.FEDERATED_AGGREGATE.uri: Aggregation(FIRST, _aggregate),
     _defs.FEDERATED_SECURE_SUM_BITWIDTH.uri: Aggregation(FIRST, _secure),

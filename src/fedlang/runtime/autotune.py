@@ -29,10 +29,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Hashable
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fedlang.core import local, status
+from fedlang.runtime import chunks
+
+if TYPE_CHECKING:
+    import jax  # for annotations only: the functions import it where they use it
 
 logger = logging.getLogger("fedlang.runtime")
 
@@ -78,7 +82,7 @@ class Tuner:
         self.budget_s = budget_s
         self.path = default_cache_path() if cache is True else (cache or None)
         self.progress = progress
-        self.choices: dict[Any, Choice] = {}
+        self.choices: dict[tuple, Choice] = {}
         self._disk: dict[str, Any] | None = None
         self._lock = threading.RLock()
 
@@ -103,7 +107,7 @@ class Tuner:
                     pass  # no file yet, or a damaged one: measure again and rewrite it
         return self._disk
 
-    def cached(self, key: Hashable, disk_key: str | None) -> Choice | None:
+    def cached(self, key: tuple, disk_key: str | None) -> Choice | None:
         """The decision for `key`, from this process or from the decision file."""
         found = self.choices.get(key)
         if found is not None or disk_key is None:
@@ -118,7 +122,7 @@ class Tuner:
             found = self.choices[key] = Choice(entry["picked"], seconds, "cached")
         return found
 
-    def record(self, key: Hashable, disk_key: str | None, choice: Choice) -> None:
+    def record(self, key: tuple, disk_key: str | None, choice: Choice) -> None:
         self.choices[key] = choice
         if disk_key is None or self.path is None:
             return
@@ -203,7 +207,7 @@ def _stderr_is_terminal() -> bool:
         return False
 
 
-def step_text(comp: local.LocalProgram, leaves: list[Any], batch: list[Any]) -> str | None:
+def step_text(comp: local.LocalProgram, leaves: chunks.Leaves, batch: chunks.Batch) -> str | None:
     """The jaxpr of a `LocalProgram`'s step on these argument and batch leaves (None if
     it cannot be had)."""
     if comp.state_type is None:
@@ -241,7 +245,7 @@ def prior(text: str | None, platform: str) -> str | None:
     return None
 
 
-def decision_key(kind: str, text: str, batch: list[Any], device: Any) -> str:
+def decision_key(kind: str, text: str, batch: chunks.Batch, device: jax.Device) -> str:
     """The decision file's key: the kind of decision, the step's text, the batch's
     shapes, the device kind and the JAX version."""
     import numpy as np
@@ -250,7 +254,7 @@ def decision_key(kind: str, text: str, batch: list[Any], device: Any) -> str:
     return fingerprint([kind, text, shapes, device_id(device)])
 
 
-def fingerprint(parts: list[Any]) -> str:
+def fingerprint(parts: list[object]) -> str:
     """A stable short hash of program texts, shapes and names (for the decision file)."""
     h = hashlib.sha256()
     for p in parts:
@@ -259,7 +263,7 @@ def fingerprint(parts: list[Any]) -> str:
     return h.hexdigest()[:32]
 
 
-def program_text(fn: Callable, args: list[Any]) -> str:
+def program_text(fn: Callable, args: chunks.Leaves) -> str:
     """The jaxpr of `fn` on arguments shaped like `args` (runs nothing)."""
     import jax
     import numpy as np
@@ -268,13 +272,13 @@ def program_text(fn: Callable, args: list[Any]) -> str:
     return str(jax.make_jaxpr(fn)(*avals))
 
 
-def _dtype(x: Any) -> Any:
+def _dtype(x: chunks.Leaf) -> Any:
     import numpy as np
 
     return getattr(x, "dtype", None) or np.asarray(x).dtype
 
 
-def device_id(device: Any) -> str:
+def device_id(device: jax.Device) -> str:
     """The device kind and JAX version a measurement holds for."""
     import jax
 

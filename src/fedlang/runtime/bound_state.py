@@ -12,8 +12,6 @@ merges counts. The invocation commits the binding when everything succeeded.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from fedlang.core import client_state, structure, types
@@ -27,7 +25,7 @@ class StateSource(lazy.ClientsValue):
         self.binding = binding
         self.member = member
 
-    def _chunk(self, start: int, stop: int, cache: dict[int, Any]) -> Any:
+    def _chunk(self, start: int, stop: int, cache: lazy.Cache) -> chunks.ChunkValue:
         return structure.unflatten(self.binding.read(start, stop), self.member)
 
 
@@ -45,7 +43,7 @@ class StateWrite(accumulate.Accumulator):
         self.leaf_types = structure.leaf_types(member)
         self.count = 0
 
-    def add(self, cv: Any, c: int) -> None:
+    def add(self, cv: chunks.ChunkValue, c: int) -> None:
         assert self.binding is not None, "a StateWrite made for merging cannot write"
         leaves, axes = chunks.leaves_with_axes(cv, self.member)
         stacked = [
@@ -56,21 +54,21 @@ class StateWrite(accumulate.Accumulator):
         self.binding.write(self.count, self.count + c, stacked)
         self.count += c
 
-    def result(self) -> Any:
+    def result(self) -> int:
         return self.count
 
     @property
     def partial_type(self) -> types.Type:
         return types.TensorType(np.int64)
 
-    def partial(self) -> Any:
+    def partial(self) -> accumulate.Partial:
         return np.int64(self.count)
 
-    def merge(self, partial: Any) -> None:
+    def merge(self, partial: accumulate.Partial) -> None:
         self.count += int(partial)
 
 
-def as_source(value: Any, t: types.FederatedType) -> StateSource:
+def as_source(value: client_state.ClientStates, t: types.FederatedType) -> StateSource:
     """The lazy CLIENTS value of a binding passed for a parameter of type `t`."""
     return StateSource(value, t.member)
 

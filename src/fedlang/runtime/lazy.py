@@ -14,19 +14,26 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fedlang.core import types
-from fedlang.runtime import chunks
+from fedlang.runtime import chunks, reference
+
+#: A value of the simulation runtime: as the interpreter's (`reference.Value`), but any
+#: part may be a `Thunk` still to compute, and a CLIENTS value is a `ClientsValue`.
+Value = Any
+#: The chunk values computed for one chunk, by the id of their `ClientsValue` (a part
+#: that several graphs share is computed once per chunk).
+Cache = dict[int, chunks.ChunkValue]
 
 
 class Thunk:
     """A value computed on first use from its dependencies."""
 
-    def __init__(self, compute: Callable[[], Any], deps: tuple[Any, ...] = ()):
+    def __init__(self, compute: Callable[[], Value], deps: tuple[Value, ...] = ()):
         self._compute = compute
         self.deps = deps
         self.done = False
-        self._value: Any = None
+        self._value: Value = None
 
-    def get(self) -> Any:
+    def get(self) -> Value:
         if not self.done:
             self._value = self._compute()
             self.done = True
@@ -35,7 +42,7 @@ class Thunk:
         return self._value
 
 
-def force(value: Any) -> Any:
+def force(value: Value) -> reference.Value:
     """The concrete internal value (forcing thunks, also inside structs)."""
     if isinstance(value, Thunk):
         return force(value.get())
@@ -44,13 +51,13 @@ def force(value: Any) -> Any:
     return value
 
 
-def _has_thunk(value: Any) -> bool:
+def _has_thunk(value: Value) -> bool:
     if isinstance(value, Thunk):
         return True
     return isinstance(value, tuple) and any(_has_thunk(v) for v in value)
 
 
-def pending_thunks(value: Any) -> Iterator[Thunk]:
+def pending_thunks(value: Value) -> Iterator[Thunk]:
     """Unforced thunks a value (or a ClientsValue graph) depends on directly."""
     if isinstance(value, Thunk):
         if not value.done:
@@ -68,16 +75,16 @@ class ClientsValue:
 
     member: types.Type
 
-    def chunk(self, start: int, stop: int, cache: dict[int, Any]) -> Any:
+    def chunk(self, start: int, stop: int, cache: Cache) -> chunks.ChunkValue:
         key = id(self)
         if key not in cache:
             cache[key] = self._chunk(start, stop, cache)
         return cache[key]
 
-    def _chunk(self, start: int, stop: int, cache: dict[int, Any]) -> Any:
+    def _chunk(self, start: int, stop: int, cache: Cache) -> chunks.ChunkValue:
         raise NotImplementedError
 
-    def server_deps(self) -> list[Any]:
+    def server_deps(self) -> list[Value]:
         """SERVER values (possibly thunks) this graph needs."""
         return [d for child in self.children() for d in child.server_deps()]
 
@@ -96,12 +103,12 @@ class Source(ClientsValue):
     batches) on a background thread; `staged` holds chunks prepared that way.
     """
 
-    def __init__(self, values: list[Any], member: types.Type):
+    def __init__(self, values: list[chunks.Internal], member: types.Type):
         self.values = values
         self.member = member
-        self.staged: dict[tuple[int, int], list[Any]] = {}
+        self.staged: dict[tuple[int, int], list[chunks.Internal]] = {}
 
-    def _chunk(self, start: int, stop: int, cache: dict[int, Any]) -> Any:
+    def _chunk(self, start: int, stop: int, cache: Cache) -> chunks.ChunkValue:
         staged = self.staged.pop((start, stop), None)
         values = staged if staged is not None else self.values[start:stop]
         return chunks.stack(values, self.member)
@@ -113,14 +120,14 @@ class Source(ClientsValue):
 class Replicated(ClientsValue):
     """The same value at every client (a broadcast or `federated_value`)."""
 
-    def __init__(self, value: Any, member: types.Type):
+    def __init__(self, value: Value, member: types.Type):
         self.value = value
         self.member = member
 
-    def _chunk(self, start: int, stop: int, cache: dict[int, Any]) -> Any:
+    def _chunk(self, start: int, stop: int, cache: Cache) -> chunks.ChunkValue:
         return chunks.Rep(force(self.value))
 
-    def server_deps(self) -> list[Any]:
+    def server_deps(self) -> list[Value]:
         return [self.value]
 
 
@@ -129,17 +136,17 @@ class Mapped(ClientsValue):
 
     def __init__(
         self,
-        fn: Any,
+        fn: reference.Function,
         input_: ClientsValue,
         member: types.Type,
-        apply: Callable[[Any, Any, int], Any],
+        apply: Callable[[reference.Function, chunks.ChunkValue, int], chunks.ChunkValue],
     ):
         self.fn = fn
         self.input = input_
         self.member = member
         self._apply = apply
 
-    def _chunk(self, start: int, stop: int, cache: dict[int, Any]) -> Any:
+    def _chunk(self, start: int, stop: int, cache: Cache) -> chunks.ChunkValue:
         return self._apply(self.fn, self.input.chunk(start, stop, cache), stop - start)
 
     def children(self) -> list[ClientsValue]:
@@ -149,18 +156,18 @@ class Mapped(ClientsValue):
 class Zipped(ClientsValue):
     """A struct of CLIENTS values seen as CLIENTS values of a struct."""
 
-    def __init__(self, parts: Any, arg_type: types.Type, member: types.Type):
+    def __init__(self, parts: Value, arg_type: types.Type, member: types.Type):
         self.parts = parts
         self.arg_type = arg_type
         self.member = member
 
-    def _chunk(self, start: int, stop: int, cache: dict[int, Any]) -> Any:
+    def _chunk(self, start: int, stop: int, cache: Cache) -> chunks.ChunkValue:
         return _zip_chunk(self.parts, self.arg_type, start, stop, cache)
 
     def children(self) -> list[ClientsValue]:
         out: list[ClientsValue] = []
 
-        def walk(v: Any, t: types.Type) -> None:
+        def walk(v: Value, t: types.Type) -> None:
             if isinstance(t, types.FederatedType):
                 out.append(v)
             else:
@@ -171,7 +178,7 @@ class Zipped(ClientsValue):
         return out
 
 
-def _zip_chunk(v: Any, t: types.Type, start: int, stop: int, cache: dict[int, Any]) -> Any:
+def _zip_chunk(v: Value, t: types.Type, start: int, stop: int, cache: Cache) -> chunks.ChunkValue:
     # A module-level function, not a closure: a recursive closure refers to itself and
     # would keep the chunk's `cache` (its staged client data) alive until a full GC.
     if isinstance(t, types.FederatedType):
@@ -186,20 +193,20 @@ class FromThunk(ClientsValue):
         self.thunk = thunk
         self.member = member
 
-    def _chunk(self, start: int, stop: int, cache: dict[int, Any]) -> Any:
+    def _chunk(self, start: int, stop: int, cache: Cache) -> chunks.ChunkValue:
         return chunks.stack(self.thunk.get()[start:stop], self.member)
 
-    def server_deps(self) -> list[Any]:
+    def server_deps(self) -> list[Value]:
         return [self.thunk]
 
 
 class Counted(ClientsValue):
     """`fn()` evaluated at each client (`federated_eval` at CLIENTS); `call(fn, None)` runs it."""
 
-    def __init__(self, fn: Any, call: Callable[[Any, Any], Any], member: types.Type):
+    def __init__(self, fn: reference.Function, call: reference.Call, member: types.Type):
         self.fn = fn
         self.call = call
         self.member = member
 
-    def _chunk(self, start: int, stop: int, cache: dict[int, Any]) -> Any:
+    def _chunk(self, start: int, stop: int, cache: Cache) -> chunks.ChunkValue:
         return chunks.stack([self.call(self.fn, None) for _ in range(start, stop)], self.member)

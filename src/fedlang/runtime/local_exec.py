@@ -86,7 +86,7 @@ class LocalRunner:
         self._client_pool_size = 0
 
     @property
-    def choices(self) -> dict[Any, Choice]:
+    def choices(self) -> dict[tuple, Choice]:
         """The decisions 'auto' took (or read from the decision file) in this process."""
         return self.tuner.choices
 
@@ -107,7 +107,9 @@ class LocalRunner:
 
     # -- without a dataset: one vmap over the chunk ---------------------------------------
 
-    def map_chunk(self, comp: local.LocalProgram, cv: Any, c: int) -> Any:
+    def map_chunk(
+        self, comp: local.LocalProgram, cv: chunks.ChunkValue, c: int
+    ) -> chunks.ChunkValue:
         """Applies `comp` to each client of chunk value `cv`; returns a chunk value."""
         param_t = comp.type_signature.parameter
         result_t = comp.type_signature.result
@@ -148,7 +150,9 @@ class LocalRunner:
 
     # -- with a dataset: per-client reduce strategies -----------------------------------------
 
-    def _map_with_dataset(self, comp: local.LocalProgram, cv: Any, c: int) -> Any:
+    def _map_with_dataset(
+        self, comp: local.LocalProgram, cv: chunks.ChunkValue, c: int
+    ) -> chunks.ChunkValue:
         vectorizable = comp.can_vmap and comp.uses_reduce
         if self.strategy == "vmap" and vectorizable:
             return self._vmapped(comp, cv, c)
@@ -164,11 +168,11 @@ class LocalRunner:
     def _vmapped(
         self,
         comp: local.LocalProgram,
-        cv: Any,
+        cv: chunks.ChunkValue,
         c: int,
-        streams: list[Any] | None = None,
+        streams: list[chunks.Stream] | None = None,
         rows: int | None = None,
-    ) -> Any:
+    ) -> chunks.ChunkValue:
         return vmap_exec.map_vmapped(
             comp,
             cv,
@@ -191,12 +195,16 @@ class LocalRunner:
         return int(limit) // 8 if limit else self.memory_budget
 
     def _map_per_client(
-        self, comp: local.LocalProgram, cv: Any, c: int, streams: list[Any] | None = None
-    ) -> Any:
+        self,
+        comp: local.LocalProgram,
+        cv: chunks.ChunkValue,
+        c: int,
+        streams: list[chunks.Stream] | None = None,
+    ) -> chunks.ChunkValue:
         param_t, seq_index = local.parameter_type(comp), local.dataset_index(comp)
         result_t = comp.type_signature.result
 
-        def client(i: int, device: Any = None) -> list[Any]:
+        def client(i: int, device: jax.Device | None = None) -> chunks.Leaves:
             args = comp.split_arg(chunks.row(cv, param_t, i))
             leaves = comp.arg_leaves(args)
             if device is not None:
@@ -240,7 +248,7 @@ class LocalRunner:
                 results[j] = out
         return _gather(results, result_t, "cpu")
 
-    def _choose_width(self, comp: local.LocalProgram, cv: Any, c: int) -> str:
+    def _choose_width(self, comp: local.LocalProgram, cv: chunks.ChunkValue, c: int) -> str:
         """With 'auto': vectorized groups ('vmap') or one client at a time ('per-client'),
         decided once per computation and device on a probe of a few clients' first few
         batches (never on one-shot streams: those clients would lose the batches read)."""
@@ -294,7 +302,7 @@ class LocalRunner:
             self.tuner.record(key, disk_key, choice)
         return choice.strategy
 
-    def _disk_key(self, kind: str, text: str | None, batch: list[Any]) -> str | None:
+    def _disk_key(self, kind: str, text: str | None, batch: chunks.Batch) -> str | None:
         if self.tuner.path is None or text is None:
             return None
         return autotune.decision_key(kind, text, batch, self.devices[0])
@@ -329,8 +337,8 @@ class LocalRunner:
         return self._pool
 
     def pad_batches(
-        self, comp: local.LocalProgram, batches: Iterable[list[Any]]
-    ) -> Iterator[list[Any]]:
+        self, comp: local.LocalProgram, batches: Iterable[chunks.Batch]
+    ) -> Iterator[chunks.Batch]:
         """A masked computation's batches (leaves and mask) padded to the largest batch
         size it has seen, so tail batches compile nothing new; others pass unchanged."""
         if not comp.masked:
@@ -346,12 +354,16 @@ class LocalRunner:
                 b = _pad_rows(b, n, target)
             yield b
 
-    def run_client(self, comp: local.LocalProgram, leaves: list[Any], stream: Any) -> list[Any]:
+    def run_client(
+        self, comp: local.LocalProgram, leaves: chunks.Leaves, stream: chunks.Stream
+    ) -> chunks.Leaves:
         """One client's result leaves for a computation that reduces a dataset."""
         if not comp.uses_reduce:
             return comp.run("epilogue", leaves)
         flat = structure.flattener(local.element_type(comp))
-        batches: Iterator[Any] = self.pad_batches(comp, (local.with_mask(flat(b)) for b in stream))
+        batches: Iterator[chunks.Batch] = self.pad_batches(
+            comp, (local.with_mask(flat(b)) for b in stream)
+        )
         strategy = self.strategy
         if strategy == "auto":
             batches, strategy = self._choose(comp, leaves, batches)
@@ -362,14 +374,14 @@ class LocalRunner:
         return self._client_loop(comp, leaves, batches)
 
     def _client_loop(
-        self, comp: local.LocalProgram, leaves: list[Any], batches: Iterator
-    ) -> list[Any]:
+        self, comp: local.LocalProgram, leaves: chunks.Leaves, batches: Iterator[chunks.Batch]
+    ) -> chunks.Leaves:
         state = self._fold_loop(comp, leaves, comp.run("prologue", leaves), batches)
         return list(comp.run("epilogue", leaves + list(state)))
 
     def _choose(
-        self, comp: local.LocalProgram, leaves: list[Any], batches: Iterator
-    ) -> tuple[Iterator, str]:
+        self, comp: local.LocalProgram, leaves: chunks.Leaves, batches: Iterator[chunks.Batch]
+    ) -> tuple[Iterator[chunks.Batch], str]:
         first = next(batches, None)
         if first is None:
             return iter(()), "loop"
@@ -411,8 +423,11 @@ class LocalRunner:
 
     @staticmethod
     def _fold_loop(
-        comp: local.LocalProgram, leaves: list[Any], state: list[Any], batches: Iterator
-    ) -> list[Any]:
+        comp: local.LocalProgram,
+        leaves: chunks.Leaves,
+        state: chunks.Leaves,
+        batches: Iterator[chunks.Batch],
+    ) -> chunks.Leaves:
         for b in batches:
             state = comp.run("step", leaves + list(state) + b)
         return list(state)
@@ -420,16 +435,16 @@ class LocalRunner:
     def _fold_scan(
         self,
         comp: local.LocalProgram,
-        leaves: list[Any],
-        state: list[Any] | None,
-        batches: Iterator,
+        leaves: chunks.Leaves,
+        state: chunks.Leaves | None,
+        batches: Iterator[chunks.Batch],
         finish: bool = False,
-    ) -> list[Any]:
+    ) -> chunks.Leaves:
         """Folds the batches; `state=None` runs the prologue first, `finish` the epilogue
         last (both fused into the first and last scan programs where there is one)."""
         window_bytes = 0
-        run: list[list[Any]] = []
-        run_shapes: list[Any] = []  # the shapes of the run's batches
+        run: list[chunks.Batch] = []
+        run_shapes: list[tuple[int, ...]] = []  # the shapes of the run's batches
         for b in batches:
             shapes = _shapes(b)
             if run and comp.masked and shapes != run_shapes:
@@ -453,11 +468,11 @@ class LocalRunner:
     @staticmethod
     def _scan_run(
         comp: local.LocalProgram,
-        leaves: list[Any],
-        state: list[Any] | None,
-        run: list[list[Any]],
+        leaves: chunks.Leaves,
+        state: chunks.Leaves | None,
+        run: list[chunks.Batch],
         finish: bool = False,
-    ) -> list[Any]:
+    ) -> chunks.Leaves:
         """Folds batches of one shape in segments of at most `MAX_SEGMENT` batches.
 
         Each segment is stacked into a power-of-two length (at least `MIN_SEGMENT`) and
@@ -468,7 +483,7 @@ class LocalRunner:
         n_args = len(leaves)
         assert comp.state_type is not None  # (a reduce has a state)
         n_state = len(structure.leaf_types(comp.state_type))
-        out: list[Any] = []
+        out: chunks.Leaves = []
         for start in range(0, len(run), MAX_SEGMENT):
             segment = run[start : start + MAX_SEGMENT]
             n = len(segment)
@@ -487,7 +502,7 @@ class LocalRunner:
 
             def build(
                 f: bool = first, e: bool = last, d: tuple[int, ...] = donate
-            ) -> Callable[..., Any]:
+            ) -> Callable[..., chunks.Leaves]:
                 return jax.jit(_segment_program(comp, n_args, n_state, f, e), donate_argnums=d)
 
             prog = comp.program(("segment", first, last), build)
@@ -525,7 +540,9 @@ def client_threads_for(comp: local.LocalProgram, devices: list) -> int:
     return cores if text is not None and "conv_general_dilated" in text else 1
 
 
-def select_many(fn: local.LocalProgram, server_val: Any, keys: np.ndarray) -> list[Any]:
+def select_many(
+    fn: local.LocalProgram, server_val: chunks.Internal, keys: np.ndarray
+) -> list[chunks.Internal]:
     """`[fn(server_val, k) for k in keys]` for a vectorizable computation, as one vmapped call.
 
     One call per key would move the server value to the device and dispatch once per
@@ -544,7 +561,7 @@ def select_many(fn: local.LocalProgram, server_val: Any, keys: np.ndarray) -> li
     return [structure.unflatten([x[j] for x in outs], result_t) for j in range(len(keys))]
 
 
-def _longest_first(comp: local.LocalProgram, cv: Any, c: int) -> list[int]:
+def _longest_first(comp: local.LocalProgram, cv: chunks.ChunkValue, c: int) -> list[int]:
     """The chunk's clients by decreasing number of batches when every client's batches
     are staged (their number known), else in their order."""
     lengths = []
@@ -567,19 +584,19 @@ def _width(times: dict[str, float]) -> str:
     return "vmap" if times["vmap"] < 0.8 * times["per-client"] else "per-client"
 
 
-def _shapes(batch: list[Any]) -> list[Any]:
+def _shapes(batch: chunks.Batch) -> list[tuple[int, ...]]:
     """A batch's leaf shapes (`.shape` where there is one: `np.shape` costs ~1 us more a
     call, and the per-client strategies ask once per batch)."""
     return [x.shape if hasattr(x, "shape") else np.shape(x) for x in batch]
 
 
-def _streams(comp: local.LocalProgram, cv: Any, c: int) -> list[Any]:
+def _streams(comp: local.LocalProgram, cv: chunks.ChunkValue, c: int) -> list[chunks.Stream]:
     """The dataset argument of each client of a chunk value."""
     param_t, seq_index = local.parameter_type(comp), local.dataset_index(comp)
     return [comp.split_arg(chunks.row(cv, param_t, i))[seq_index] for i in range(c)]
 
 
-def _gather(outs: list[list[Any]], result_t: types.Type, platform: str) -> Any:
+def _gather(outs: list[chunks.Leaves], result_t: types.Type, platform: str) -> chunks.ChunkValue:
     """Per-client result leaves -> a chunk value on the host, with one wait per chunk.
 
     On an accelerator the clients' leaves are stacked on the device and fetched in one
@@ -596,7 +613,7 @@ def _gather(outs: list[list[Any]], result_t: types.Type, platform: str) -> Any:
     return structure.unflatten(list(jax.device_get(stacked)), result_t)
 
 
-def _pad_rows(batch: list[Any], n: int, target: int) -> list[Any]:
+def _pad_rows(batch: chunks.Batch, n: int, target: int) -> chunks.Batch:
     """A batch whose non-scalar leaves all lead with `n` examples, padded with zeros
     (and mask 0) to `target` examples; any other batch is returned unchanged."""
     if any(np.ndim(x) and np.shape(x)[0] != n for x in batch):
@@ -616,7 +633,11 @@ WARM_BYTES = 64 << 20  # the largest zero segment compiled ahead
 
 
 def _warm_lengths(
-    comp: local.LocalProgram, prog: Any, leaves: list[Any], stacked: list[Any], length: int
+    comp: local.LocalProgram,
+    prog: Callable[..., chunks.Leaves],
+    leaves: chunks.Leaves,
+    stacked: list[np.ndarray],
+    length: int,
 ) -> None:
     """The first time a whole client runs in one segment, compiles that program for the
     other length buckets too (on zero segments and a count of 0: nothing is folded), so
@@ -642,7 +663,7 @@ def _segment_program(
     n_state: int,
     prologue: bool = False,
     epilogue: bool = False,
-) -> Any:
+) -> Callable[..., chunks.Leaves]:
     """A loop of the step over the first `count` of a segment's stacked batches,
     optionally starting with the prologue (no state argument) and ending with the
     epilogue (returns the result leaves). `count` is an argument, so every client
@@ -651,14 +672,14 @@ def _segment_program(
     start_fn = comp.tuned_part("prologue") if prologue else None
     end_fn = comp.tuned_part("epilogue") if epilogue else None
 
-    def program(*flat: Any) -> list[Any]:
+    def program(*flat: chunks.Leaf) -> chunks.Leaves:
         args, count = flat[:n_args], flat[-1]
         if start_fn is not None:
             state, stacked = list(start_fn(*args)), flat[n_args:-1]
         else:
             state, stacked = list(flat[n_args : n_args + n_state]), flat[n_args + n_state : -1]
 
-        def body(i: Any, carry: Any) -> list[Any]:
+        def body(i: jax.Array, carry: chunks.Leaves) -> chunks.Leaves:
             batch = [lax.dynamic_index_in_dim(x, i, keepdims=False) for x in stacked]
             return list(step(*args, *carry, *batch))
 
@@ -668,10 +689,10 @@ def _segment_program(
     return program
 
 
-def describe_choices(runner: LocalRunner) -> list[dict[str, Any]]:
+def describe_choices(runner: LocalRunner) -> list[dict[str, str | float]]:
     """What `auto` picked: per computation and batch shape ('loop' or 'scan' per client),
     and per computation and platform ('vmap' or 'per-client'), with the measured times."""
-    rows = []
+    rows: list[dict[str, str | float]] = []
     for key, c in runner.choices.items():
         if key[0] == "width":
             rows.append(
@@ -696,7 +717,7 @@ def describe_choices(runner: LocalRunner) -> list[dict[str, Any]]:
     return rows
 
 
-def _program_name(cache_key: Any) -> str:
+def _program_name(cache_key: Hashable) -> str:
     """A readable name for a computation's cache key (its name, and an id when present)."""
     if isinstance(cache_key, tuple) and len(cache_key) == 3:
         kind, name, ident = cache_key

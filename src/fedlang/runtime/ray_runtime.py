@@ -37,14 +37,17 @@ import pickle
 import sys
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fedlang.core import client_state, computation
-from fedlang.runtime import ray_wave, simulation
+from fedlang.runtime import accumulate, chunks, ray_wave, reference, simulation
 
 # Tasks a worker has queued at once: one running, one waiting (its arguments in flight).
 _IN_FLIGHT = 2
+
+#: A Ray actor running a `ray_wave.Worker`.
+Actor = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +121,7 @@ class _Pool:
                 "free what other Ray jobs hold, or wait longer (start_timeout=)."
             ) from None
 
-    def _start(self) -> Any:
+    def _start(self) -> Actor:
         import jax
 
         config = {
@@ -130,7 +133,7 @@ class _Pool:
         # test modules relative to it without putting it on sys.path.
         return self._cls.remote([*sys.path, os.getcwd()], config)
 
-    def replace(self, slot: int, actor: Any) -> None:
+    def replace(self, slot: int, actor: Actor) -> None:
         """Replaces a dead actor (once, however many of its tasks report it)."""
         import ray
 
@@ -146,7 +149,7 @@ class _Pool:
         self.actors = []
 
 
-_POOLS: dict[tuple[Any, ...], _Pool] = {}
+_POOLS: dict[tuple[str, int, float], _Pool] = {}  # (session, workers, GPUs per worker)
 
 
 def _session() -> str:
@@ -187,7 +190,7 @@ class RayRun(simulation.Run):
 
     ctx: RayContext
 
-    def compute_wave(self, wave: list[simulation.AggThunk]) -> list[Any]:
+    def compute_wave(self, wave: list[simulation.AggThunk]) -> list[chunks.Internal]:
         n = self.num_clients
         if n == 0:
             return super().compute_wave(wave)
@@ -246,7 +249,7 @@ class RayContext(simulation.SimulationContext):
         use_gpus: bool | None = None,
         tasks_per_worker: int = 2,
         max_retries: int = 3,
-        task_hook: Any = None,
+        task_hook: ray_wave.Hook | None = None,
         start_timeout: float = 300.0,
         **kwargs: Any,
     ):
@@ -270,7 +273,9 @@ class RayContext(simulation.SimulationContext):
     def make_run(self, n: int | None) -> simulation.Run:
         return RayRun(self, n)
 
-    def invoke(self, comp: computation.Computation, arg: Any) -> Any:
+    def invoke(
+        self, comp: computation.Computation, arg: reference.PythonValue
+    ) -> reference.PythonValue:
         self.transfers = Transfers()
         try:
             return super().invoke(comp, arg)
@@ -302,7 +307,9 @@ class RayContext(simulation.SimulationContext):
             )
         return _pool(count, 1 if use_gpus else 0, self.start_timeout)
 
-    def compute(self, spec: ray_wave.WaveSpec, sources: ray_wave.Portable, n: int) -> list[list[Any]]:
+    def compute(
+        self, spec: ray_wave.WaveSpec, sources: ray_wave.Portable, n: int
+    ) -> list[list[accumulate.Partial]]:
         """A wave's partials over `n` clients (lists of one partial per aggregation), to
         merge in order: normally one, the merge tree's root; the tasks' partials when an
         actor died while merging."""
@@ -317,7 +324,7 @@ class RayContext(simulation.SimulationContext):
         fn_refs = self.registry.refs(tokens)
         self.transfers = self.transfers.plus(waves=1, to_workers=sent + len(data))
 
-        def task_values(i: int) -> tuple[bytes, dict[str, Any]]:
+        def task_values(i: int) -> tuple[bytes, ray_wave.FunctionRefs]:
             # Serialized when the task is submitted (a cohort's in-memory data is never
             # serialized all at once); (the task's per-client values, computations).
             start, stop = bounds[i]
@@ -333,14 +340,21 @@ class RayContext(simulation.SimulationContext):
         self.transfers = self.transfers.plus(from_workers=sum(len(p) for p in parts))
         return [pickle.loads(p) for p in parts]
 
-    def _run_tasks(self, pool: _Pool, key: str, spec_ref: list[Any],
-                   bounds: list[tuple[int, int]], task_values: Any) -> list[Any]:
+    def _run_tasks(
+        self,
+        pool: _Pool,
+        key: str,
+        spec_ref: list[ray_wave.ObjectRef],
+        bounds: list[tuple[int, int]],
+        task_values: Callable[[int], tuple[bytes, ray_wave.FunctionRefs]],
+    ) -> list[ray_wave.ObjectRef]:
         import ray
 
         pending = collections.deque(range(len(bounds)))
-        inflight: dict[Any, tuple[int, int, Any, Any]] = {}  # status -> (task, slot, actor, partial)
+        # status -> (task, slot, actor, partial)
+        inflight: dict[ray_wave.ObjectRef, tuple[int, int, Actor, ray_wave.ObjectRef]] = {}
         load = [0] * len(pool.actors)
-        done: dict[int, Any] = {}
+        done: dict[int, ray_wave.ObjectRef] = {}
         retries = 0
         try:
             while pending or inflight:
@@ -385,8 +399,14 @@ class RayContext(simulation.SimulationContext):
             self.transfers = self.transfers.plus(retries=retries)
         return [done[i] for i in range(len(bounds))]
 
-    def _merge_tree(self, pool: _Pool, key: str, spec_ref: list[Any], fn_refs: dict[str, Any],
-                    leaves: list[Any]) -> list[bytes]:
+    def _merge_tree(
+        self,
+        pool: _Pool,
+        key: str,
+        spec_ref: list[ray_wave.ObjectRef],
+        fn_refs: ray_wave.FunctionRefs,
+        leaves: list[ray_wave.ObjectRef],
+    ) -> list[bytes]:
         """The task partials merged on the actors: [root], or, when an actor died while
         merging, the task partials themselves (they live in the object store, not in
         the actors) for the driver to merge in order."""
@@ -413,7 +433,7 @@ class RayContext(simulation.SimulationContext):
 
 
 
-def _task_slice(values: Any, start: int, stop: int) -> Any:
+def _task_slice(values: reference.PerClient, start: int, stop: int) -> reference.PerClient:
     """A task's part of a per-client argument: a list, or a client-state binding's slice
     (the worker reads and writes those clients' states itself)."""
     if isinstance(values, client_state.ClientStates):

@@ -19,10 +19,30 @@ import socket
 import sys
 import time
 import uuid
-from typing import Any, TypeGuard
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
 from fedlang.core import client_state, ir, local, structure, types
-from fedlang.runtime import accumulate, bound_state, counters, lazy, reference, simulation
+from fedlang.runtime import (
+    accumulate,
+    bound_state,
+    chunks,
+    counters,
+    lazy,
+    reference,
+    simulation,
+)
+
+if TYPE_CHECKING:
+    import ray  # for annotations only: Ray is imported where it is used
+
+#: A reference to a value in Ray's object store.
+ObjectRef: TypeAlias = "ray.ObjectRef"
+#: The object references of the local computations a wave refers to, by token.
+FunctionRefs = dict[str, ObjectRef]
+#: Called on the worker with the task's index before each task, and with -1 before
+#: each merge (`RayContext`'s `task_hook`).
+Hook = Callable[[int], None]
 
 # -- the portable form of a wave --------------------------------------------------------
 #
@@ -45,35 +65,42 @@ class StateSourceSpec:
 
 @dataclasses.dataclass
 class RepSpec:
-    value: Any
+    value: reference.Value
     member: types.Type
 
 
 @dataclasses.dataclass
 class MapSpec:
-    fn: Any
-    input: Any
+    fn: reference.Function
+    input: NodeSpec
     member: types.Type
 
 
 @dataclasses.dataclass
 class ZipSpec:
-    parts: Any
+    parts: Parts
     arg_type: types.Type
     member: types.Type
 
 
 @dataclasses.dataclass
 class CountSpec:
-    fn: Any
+    fn: reference.Function
     member: types.Type
+
+
+#: A CLIENTS value of a wave in portable form (a node of its dataflow graph).
+NodeSpec = SourceSpec | StateSourceSpec | RepSpec | MapSpec | ZipSpec | CountSpec
+#: A struct of CLIENTS values in portable form: a `NodeSpec` where its type is federated,
+#: else a tuple of `Parts` (an alias of `Any`: the type says which).
+Parts = Any
 
 
 @dataclasses.dataclass
 class AggSpec:
     uri: str | None  # None: collect the per-client values (in client order)
     parameter_type: types.Type | None
-    server_args: tuple
+    server_args: accumulate.ServerArgs
     member: types.Type
     write: int | None = None  # the task's client-state binding (a slice index) to write to
 
@@ -81,10 +108,10 @@ class AggSpec:
 @dataclasses.dataclass
 class WaveSpec:
     key: str
-    inputs: list[Any]
+    inputs: list[NodeSpec]
     aggregations: list[AggSpec]
     options: simulation.Options
-    hook: Any
+    hook: Hook | None
 
 
 class NotPortable(Exception):
@@ -95,18 +122,18 @@ class Portable:
     """Turns a wave's lazy graph into `WaveSpec` nodes and collects its sources."""
 
     def __init__(self) -> None:
-        self.sources: list[list[Any]] = []
+        self.sources: list[reference.PerClient] = []
         self.source_types: list[types.Type] = []
-        self._memo: dict[int, Any] = {}
+        self._memo: dict[int, NodeSpec] = {}
         self._source_index: dict[int, int] = {}
 
-    def node(self, v: lazy.ClientsValue) -> Any:
+    def node(self, v: lazy.ClientsValue) -> NodeSpec:
         key = id(v)
         if key not in self._memo:
             self._memo[key] = self._node(v)
         return self._memo[key]
 
-    def _node(self, v: lazy.ClientsValue) -> Any:
+    def _node(self, v: lazy.ClientsValue) -> NodeSpec:
         if isinstance(v, lazy.Source):
             return SourceSpec(self._source(v.values, v.member), v.member)
         if isinstance(v, bound_state.StateSource):
@@ -123,19 +150,19 @@ class Portable:
             return CountSpec(self.value(v.fn), v.member)
         raise NotPortable(f"{type(v).__name__} values have no portable form")
 
-    def _source(self, values: Any, member: types.Type) -> int:
+    def _source(self, values: reference.PerClient, member: types.Type) -> int:
         if id(values) not in self._source_index:
             self._source_index[id(values)] = len(self.sources)
             self.sources.append(values)
             self.source_types.append(member)
         return self._source_index[id(values)]
 
-    def _parts(self, v: Any, t: types.Type) -> Any:
+    def _parts(self, v: lazy.Value, t: types.Type) -> Parts:
         if isinstance(t, types.FederatedType):
             return self.node(v)
         return tuple(self._parts(x, et) for x, et in zip(v, t.types))  # type: ignore[attr-defined]
 
-    def value(self, v: Any) -> Any:
+    def value(self, v: lazy.Value) -> reference.Value:
         """A server value or function as workers receive it."""
         v = lazy.force(v)
         if isinstance(v, lazy.ClientsValue):
@@ -169,10 +196,10 @@ class Registry:
 
     def __init__(self) -> None:
         # id -> (fn, token, ref, bytes)
-        self.by_id: dict[int, tuple[local.LocalComputation, str, Any, int]] = {}
+        self.by_id: dict[int, tuple[local.LocalComputation, str, ObjectRef, int]] = {}
         self._is_local: dict[type, bool] = {}
 
-    def is_local(self, obj: Any) -> TypeGuard[local.LocalComputation]:
+    def is_local(self, obj: object) -> TypeGuard[local.LocalComputation]:
         t = type(obj)
         if t not in self._is_local:
             self._is_local[t] = local.is_local(obj)
@@ -192,12 +219,12 @@ class Registry:
         self.by_id[id(fn)] = (fn, token, ray.put(data), len(data))
         return token, len(data)
 
-    def refs(self, tokens: set[str]) -> dict[str, Any]:
+    def refs(self, tokens: set[str]) -> FunctionRefs:
         return {tok: ref for _, tok, ref, _ in self.by_id.values() if tok in tokens}
 
 
 def dumps_slices(
-    slices: list[Any], member_types: list[types.Type], registry: Registry
+    slices: list[reference.PerClient], member_types: list[types.Type], registry: Registry
 ) -> tuple[bytes, set[str], int]:
     """`dumps` of a task's per-client values. Client datasets are sent as recipes (a
     `Dataset`, a list); one that cannot be sent (a one-shot generator) is read here and
@@ -214,7 +241,7 @@ def dumps_slices(
     return dumps(read, registry)
 
 
-def _read_streams(value: Any, t: types.Type) -> Any:
+def _read_streams(value: chunks.Internal, t: types.Type) -> chunks.Internal:
     if isinstance(t, types.SequenceType) and isinstance(value, structure.Stream):
         return value if value.replayable else structure.Stream(
             list(value), value.element_type, value.path
@@ -224,7 +251,7 @@ def _read_streams(value: Any, t: types.Type) -> Any:
     return value
 
 
-def dumps(value: Any, registry: Registry) -> tuple[bytes, set[str], int]:
+def dumps(value: object, registry: Registry) -> tuple[bytes, set[str], int]:
     """(bytes, tokens of the local computations referred to, bytes of new computations)."""
     from ray import cloudpickle
 
@@ -232,7 +259,7 @@ def dumps(value: Any, registry: Registry) -> tuple[bytes, set[str], int]:
     sent = 0
 
     class Pickler(cloudpickle.CloudPickler):
-        def persistent_id(self, obj: Any) -> Any:
+        def persistent_id(self, obj: object) -> str | None:
             nonlocal sent
             if registry.is_local(obj):
                 token, new = registry.token(obj)
@@ -263,26 +290,26 @@ class Worker:
         for name, value in jax_config.items():
             jax.config.update(name, value)
         self.contexts: dict[str, simulation.SimulationContext] = {}
-        self.fns: dict[str, Any] = {}
+        self.fns: dict[str, local.LocalComputation] = {}
         self.wave: WaveSpec | None = None
 
     def where(self) -> str:
         return f"{socket.gethostname()} (pid {os.getpid()})"
 
-    def _loads(self, data: bytes, fn_refs: dict[str, Any]) -> Any:
+    def _loads(self, data: bytes, fn_refs: FunctionRefs) -> Any:
         import ray
 
         fns = self.fns
 
         class Unpickler(pickle.Unpickler):
-            def persistent_load(self, token: Any) -> Any:
+            def persistent_load(self, token: str) -> local.LocalComputation:
                 if token not in fns:
                     fns[token] = pickle.loads(ray.get(fn_refs[token]))
                 return fns[token]
 
         return Unpickler(io.BytesIO(data)).load()
 
-    def _spec(self, spec_key: str, spec_ref: list[Any], fn_refs: dict[str, Any]) -> WaveSpec:
+    def _spec(self, spec_key: str, spec_ref: list[ObjectRef], fn_refs: FunctionRefs) -> WaveSpec:
         import ray
 
         if self.wave is None or self.wave.key != spec_key:
@@ -298,8 +325,8 @@ class Worker:
     def run_task(
         self,
         spec_key: str,
-        spec_ref: list[Any],
-        fn_refs: dict[str, Any],
+        spec_ref: list[ObjectRef],
+        fn_refs: FunctionRefs,
         task: int,
         start: int,
         stop: int,
@@ -322,7 +349,7 @@ class Worker:
         try:
             values = self._loads(slices, fn_refs)
             run = simulation.Run(self._context(spec.options), n)
-            memo: dict[int, Any] = {}
+            memo: dict[int, lazy.ClientsValue] = {}
             inputs = [_rebuild(node, run, values, memo) for node in spec.inputs]
             accs = [make_accumulator(a, run, values) for a in spec.aggregations]
             wave = [simulation.AggThunk(run, x, None) for x in inputs]
@@ -339,7 +366,12 @@ class Worker:
         return (n, len(data), compiled, time.perf_counter() - began), data
 
     def merge(
-        self, spec_key: str, spec_ref: list[Any], fn_refs: dict[str, Any], left: bytes, right: bytes
+        self,
+        spec_key: str,
+        spec_ref: list[ObjectRef],
+        fn_refs: FunctionRefs,
+        left: bytes,
+        right: bytes,
     ) -> bytes:
         """The partials of two adjacent runs of clients, merged (left first)."""
         from ray import cloudpickle
@@ -358,15 +390,15 @@ class Worker:
 class OrderedCollect(accumulate.Collect):
     """Per-client values in client order; partials are lists, merged by concatenation."""
 
-    def partial(self) -> Any:
+    def partial(self) -> accumulate.Partial:
         return self.values
 
-    def merge(self, partial: Any) -> None:
+    def merge(self, partial: accumulate.Partial) -> None:
         self.values.extend(partial)
 
 
 def make_accumulator(
-    a: AggSpec, run: simulation.Run, values: list[Any] | None = None
+    a: AggSpec, run: simulation.Run, values: list[reference.PerClient] | None = None
 ) -> accumulate.Accumulator:
     """The accumulator of an aggregation on a worker (`values`: the task's slices; None
     when merging partials)."""
@@ -381,7 +413,12 @@ def make_accumulator(
     return accumulate.AGGREGATIONS[a.uri].make(d, a.parameter_type, a.server_args, run.call_now)
 
 
-def _rebuild(spec: Any, run: simulation.Run, values: list[Any], memo: dict[int, Any]) -> Any:
+def _rebuild(
+    spec: NodeSpec,
+    run: simulation.Run,
+    values: list[reference.PerClient],
+    memo: dict[int, lazy.ClientsValue],
+) -> lazy.ClientsValue:
     key = id(spec)
     if key in memo:
         return memo[key]
@@ -405,7 +442,13 @@ def _rebuild(spec: Any, run: simulation.Run, values: list[Any], memo: dict[int, 
     return out
 
 
-def _rebuild_parts(parts: Any, t: types.Type, run: Any, values: Any, memo: dict[int, Any]) -> Any:
+def _rebuild_parts(
+    parts: Parts,
+    t: types.Type,
+    run: simulation.Run,
+    values: list[reference.PerClient],
+    memo: dict[int, lazy.ClientsValue],
+) -> lazy.Value:
     if isinstance(t, types.FederatedType):
         return _rebuild(parts, run, values, memo)
     return tuple(

@@ -9,16 +9,39 @@ the reference semantics of `fedlang.core.intrinsics.TABLE`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sized
+from collections.abc import Callable, Iterable, Mapping, Sized
 from typing import Any, cast
 
 from fedlang.core import client_state, computation, intrinsics, ir, local, structure, types
+
+# The values the interpreter holds, named for readers. They alias `Any`: which one a
+# value is follows its fedlang type, and the code reads the type.
+
+#: A value of any type: a local value in internal form (`fedlang.core.structure`), a
+#: struct of values as a tuple, a SERVER value as its member's value, a CLIENTS value
+#: `PerClient`, a function as a `Function`, a placement.
+Value = Any
+#: A CLIENTS value as the interpreter holds it: a list with one value per client
+#: (all-equal values too), or a `ClientStates` binding the caller passed for one. (The
+#: simulation runtime makes it a lazy graph, `lazy.ClientsValue`.)
+PerClient = Any
+#: A function value: a `Closure`, an intrinsic, or a local computation.
+Function = Any
+#: Applies a function value to an argument (`Interpreter.call`).
+Call = Callable[[Function, Value], Value]
+#: The values of the names in scope.
+Env = dict[str, Value]
+#: A value as users pass and receive it: in the container its type remembers
+#: (`structure.to_python`), a CLIENTS value as a list with one entry per client.
+PythonValue = Any
+#: Why a runtime cannot run an intrinsic at a type, or None when it can.
+Refuse = Callable[[intrinsics.IntrinsicDef, types.FunctionType], str | None]
 
 
 @dataclasses.dataclass
 class Closure:
     fn: ir.Lambda
-    env: dict[str, Any]
+    env: Env
 
 
 @dataclasses.dataclass
@@ -42,7 +65,7 @@ class Interpreter:
             )
         return self._num_clients
 
-    def call(self, fn: Any, arg: Any) -> Any:
+    def call(self, fn: Function, arg: Value) -> Value:
         if isinstance(fn, Closure):
             env = dict(fn.env)
             if fn.fn.parameter_name is not None:
@@ -54,7 +77,7 @@ class Interpreter:
             return fn.invoke(arg)
         raise TypeError(f"Cannot call {fn!r}: it is not a function value.")
 
-    def eval(self, node: ir.Node, env: dict[str, Any]) -> Any:
+    def eval(self, node: ir.Node, env: Env) -> Value:
         if isinstance(node, ir.Reference):
             if node.name not in env:
                 raise NameError(f"Unbound reference {node.name!r} in the IR.")
@@ -97,7 +120,9 @@ def _where(path: str) -> str:
     return path or "the argument"
 
 
-def count_clients(value: Any, t: types.Type | None, path: str, found: dict[str, int]) -> None:
+def count_clients(
+    value: PythonValue, t: types.Type | None, path: str, found: dict[str, int]
+) -> None:
     """Records the number of entries of every per-client (non-all-equal CLIENTS) value."""
     if t is None:
         return
@@ -124,7 +149,7 @@ def count_clients(value: Any, t: types.Type | None, path: str, found: dict[str, 
             count_clients(v, et, f"{path}{structure.field_path(n, i)}", found)
 
 
-def infer_num_clients(value: Any, t: types.Type | None, default: int | None) -> int | None:
+def infer_num_clients(value: PythonValue, t: types.Type | None, default: int | None) -> int | None:
     found: dict[str, int] = {}
     count_clients(value, t, "", found)
     counts = {p: c for p, c in found.items() if c >= 0}
@@ -138,7 +163,7 @@ def infer_num_clients(value: Any, t: types.Type | None, default: int | None) -> 
     return default
 
 
-def to_internal(value: Any, t: types.Type | None, n: int | None, path: str = "") -> Any:
+def to_internal(value: PythonValue, t: types.Type | None, n: int | None, path: str = "") -> Value:
     """Validates a Python argument against `t` and converts it for the interpreter."""
     if t is None:
         return None
@@ -182,7 +207,7 @@ def to_internal(value: Any, t: types.Type | None, n: int | None, path: str = "")
     return structure.to_internal(value, t, path)
 
 
-def to_python(value: Any, t: types.Type) -> Any:
+def to_python(value: Value, t: types.Type) -> PythonValue:
     """Converts an interpreter result to what users see."""
     if isinstance(t, types.FederatedType):
         if t.placement is types.CLIENTS:
@@ -217,16 +242,16 @@ class ReferenceContext:
     """
 
     name = "reference"
-    refuse: Any = None  # runs every intrinsic, by its reference semantics
+    refuse: Refuse | None = None  # runs every intrinsic, by its reference semantics
 
     def __init__(self, num_clients: int | None = None):
         self.num_clients = num_clients
 
-    def invoke(self, comp: computation.Computation, arg: Any) -> Any:
+    def invoke(self, comp: computation.Computation, arg: PythonValue) -> PythonValue:
         # Client-state bindings are read whole, and written back and committed whole.
         return client_state.invoke_plainly(self._invoke, comp, arg)
 
-    def _invoke(self, comp: computation.Computation, arg: Any) -> Any:
+    def _invoke(self, comp: computation.Computation, arg: PythonValue) -> PythonValue:
         check_runtime_supports(self, comp)
         t = comp.type_signature
         n = infer_num_clients(arg, t.parameter, self.num_clients)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import numpy as np
@@ -138,7 +138,7 @@ class AggThunk(lazy.Thunk):
         run: Run,
         input_: lazy.ClientsValue,
         make: Any,
-        spec: tuple[intrinsics.IntrinsicDef, types.Type, Any] | None = None,
+        spec: tuple[intrinsics.IntrinsicDef, types.Type, accumulate.ServerArgs] | None = None,
     ):
         super().__init__(lambda: run.run_wave(self), (input_,))
         self.input = input_
@@ -165,7 +165,7 @@ class Run(reference.Interpreter):
 
     # -- evaluation into a lazy graph -------------------------------------------------
 
-    def call(self, fn: Any, arg: Any) -> Any:
+    def call(self, fn: reference.Function, arg: lazy.Value) -> lazy.Value:
         fn = lazy.force(fn)
         if isinstance(fn, reference._IntrinsicFn):
             return self.intrinsic(fn.definition, arg, fn.type_signature)
@@ -173,11 +173,11 @@ class Run(reference.Interpreter):
             return lazy.Thunk(lambda: fn.invoke(lazy.force(arg)), (arg,))
         return super().call(fn, arg)  # a closure: its body is evaluated lazily by `eval`
 
-    def call_now(self, fn: Any, arg: Any) -> Any:
+    def call_now(self, fn: reference.Function, arg: lazy.Value) -> reference.Value:
         """Calls a local function on concrete values (inside accumulators and maps)."""
         return lazy.force(self.call(fn, arg))
 
-    def eval(self, node: ir.Node, env: dict[str, Any]) -> Any:
+    def eval(self, node: ir.Node, env: reference.Env) -> lazy.Value:
         if isinstance(node, ir.Selection):
             src = self.eval(node.source, env)
             if isinstance(src, lazy.Thunk):
@@ -185,7 +185,9 @@ class Run(reference.Interpreter):
             return src[node.index]
         return super().eval(node, env)
 
-    def intrinsic(self, d: intrinsics.IntrinsicDef, arg: Any, fn_type: types.FunctionType) -> Any:
+    def intrinsic(
+        self, d: intrinsics.IntrinsicDef, arg: lazy.Value, fn_type: types.FunctionType
+    ) -> lazy.Value:
         strategy = STRATEGIES.get(d.uri)
         if strategy is not None:
             out = strategy(self, d, arg, fn_type)
@@ -196,17 +198,17 @@ class Run(reference.Interpreter):
     def _fallback(
         self,
         d: intrinsics.IntrinsicDef,
-        arg: Any,
+        arg: lazy.Value,
         t: Any,
         result_t: types.Type,
-        impl: Any = None,
-    ) -> Any:
+        impl: Semantics | None = None,
+    ) -> lazy.Value:
         """An intrinsic without a strategy: materialize its CLIENTS inputs and run the
         reference semantics (or `impl`, with the same signature) on them."""
         collected = self.collect(arg, t)
         semantics = impl or d.impl
 
-        def compute() -> Any:
+        def compute() -> reference.Value:
             return semantics(lazy.force(_force_collected(collected)), t, _Eager(self))
 
         thunk = lazy.Thunk(compute, (collected,))
@@ -218,7 +220,7 @@ class Run(reference.Interpreter):
             return lazy.FromThunk(thunk, result_t.member)
         return thunk
 
-    def collect(self, value: Any, t: types.Type) -> Any:
+    def collect(self, value: lazy.Value, t: types.Type) -> lazy.Value:
         """Replaces CLIENTS values inside `value` by thunks of their per-client lists."""
         if (
             isinstance(t, types.FederatedType)
@@ -232,7 +234,9 @@ class Run(reference.Interpreter):
 
     # -- applying functions to chunks ---------------------------------------------------
 
-    def _apply(self, fn: Any, cv: Any, c: int) -> Any:
+    def _apply(
+        self, fn: reference.Function, cv: chunks.ChunkValue, c: int
+    ) -> chunks.ChunkValue:
         if local.is_program(fn):
             return self.ctx.runner.map_chunk(fn, cv, c)
         if isinstance(fn, reference.Closure):
@@ -257,7 +261,7 @@ class Run(reference.Interpreter):
 
     # -- waves --------------------------------------------------------------------------
 
-    def run_wave(self, target: AggThunk) -> Any:
+    def run_wave(self, target: AggThunk) -> chunks.Internal:
         """Computes `target` and every other ready aggregation in one pass over the cohort."""
         wave = self.ready_wave(target)
         values = self.compute_wave(wave)
@@ -278,7 +282,7 @@ class Run(reference.Interpreter):
         ]
         return [target, *wave]
 
-    def compute_wave(self, wave: list[AggThunk]) -> list[Any]:
+    def compute_wave(self, wave: list[AggThunk]) -> list[chunks.Internal]:
         """The results of a wave's aggregations: here, one pass over chunks of clients
         (other runtimes override this to compute them elsewhere)."""
         accs = [a.make() for a in wave]
@@ -301,7 +305,7 @@ class Run(reference.Interpreter):
                     pending.result()
                 if k + 1 < len(bounds):
                     pending = pool.submit(_stage, seq_sources, *bounds[k + 1], budget)
-            cache: dict[int, Any] = {}
+            cache: lazy.Cache = {}
             for a, acc in zip(wave, accs):
                 acc.add(a.input.chunk(start, stop, cache), stop - start)
 
@@ -316,7 +320,7 @@ class _Eager:
     def num_clients(self) -> int:
         return self.run.num_clients
 
-    def call(self, fn: Any, arg: Any) -> Any:
+    def call(self, fn: reference.Function, arg: reference.Value) -> reference.Value:
         return self.run.call_now(fn, arg)
 
 
@@ -327,16 +331,27 @@ class _Eager:
 # reference semantics on materialized CLIENTS inputs (`Run._fallback`), which is valid
 # for every intrinsic: a new one works here as soon as it is defined.
 
+Strategy = Callable[[Run, intrinsics.IntrinsicDef, lazy.Value, types.FunctionType], lazy.Value]
+#: Reference semantics, as an intrinsic's `impl`: `(arg, arg_type, runtime) -> result`
+#: on concrete values (CLIENTS values as lists).
+Semantics = Callable[[reference.Value, Any, intrinsics.Runtime], reference.Value]
 
-def _replicate(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+
+def _replicate(
+    run: Run, d: intrinsics.IntrinsicDef, arg: lazy.Value, fn_type: types.FunctionType
+) -> lazy.Value:
     return lazy.Replicated(arg, cast(types.FederatedType, fn_type.result).member)
 
 
-def _at_server(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+def _at_server(
+    run: Run, d: intrinsics.IntrinsicDef, arg: lazy.Value, fn_type: types.FunctionType
+) -> lazy.Value:
     return arg
 
 
-def _map(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+def _map(
+    run: Run, d: intrinsics.IntrinsicDef, arg: lazy.Value, fn_type: types.FunctionType
+) -> lazy.Value:
     fn, value = arg
     if isinstance(value, lazy.ClientsValue):
         member = cast(types.FederatedType, fn_type.result).member
@@ -344,20 +359,26 @@ def _map(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
     return lazy.Thunk(lambda: run.call_now(lazy.force(fn), lazy.force(value)), (fn, value))
 
 
-def _zip(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+def _zip(
+    run: Run, d: intrinsics.IntrinsicDef, arg: lazy.Value, fn_type: types.FunctionType
+) -> lazy.Value:
     result_t = cast(types.FederatedType, fn_type.result)
     if result_t.placement is not CLIENTS:
         return NotImplemented
     return lazy.Zipped(arg, fn_type.parameter, result_t.member)  # type: ignore[arg-type]
 
 
-def _eval_at_clients(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+def _eval_at_clients(
+    run: Run, d: intrinsics.IntrinsicDef, arg: lazy.Value, fn_type: types.FunctionType
+) -> lazy.Value:
     fn = lazy.force(arg)
     member = cast(types.FederatedType, fn_type.result).member
     return lazy.Counted(fn, run.call_now, member)
 
 
-def _aggregate(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+def _aggregate(
+    run: Run, d: intrinsics.IntrinsicDef, arg: lazy.Value, fn_type: types.FunctionType
+) -> lazy.Value:
     """Folds the clients' values chunk by chunk with the intrinsic's accumulator."""
     agg = accumulate.AGGREGATIONS[d.uri]
     t = fn_type.parameter
@@ -375,10 +396,12 @@ def _aggregate(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
     )
 
 
-def _select(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
+def _select(
+    run: Run, d: intrinsics.IntrinsicDef, arg: lazy.Value, fn_type: types.FunctionType
+) -> lazy.Value:
     """federated_select with each client's keys looked up in one vectorized call."""
 
-    def impl(concrete: Any, t: Any, rt: Any) -> Any:
+    def impl(concrete: reference.Value, t: Any, rt: intrinsics.Runtime) -> reference.Value:
         keys, max_key, server_val, fn = concrete
         out = []
         for i, client_keys in enumerate(keys):
@@ -392,7 +415,7 @@ def _select(run: Run, d: Any, arg: Any, fn_type: types.FunctionType) -> Any:
     return run._fallback(d, arg, fn_type.parameter, fn_type.result, impl)
 
 
-STRATEGIES: dict[str, Any] = {
+STRATEGIES: dict[str, Strategy] = {
     **{uri: _aggregate for uri in accumulate.AGGREGATIONS},
     defs.FEDERATED_BROADCAST.uri: _replicate,
     defs.FEDERATED_VALUE_AT_CLIENTS.uri: _replicate,
@@ -404,7 +427,7 @@ STRATEGIES: dict[str, Any] = {
 }
 
 
-def _force_collected(value: Any) -> Any:
+def _force_collected(value: lazy.Value) -> lazy.Value:
     if isinstance(value, lazy.Thunk):
         return value.get()
     if isinstance(value, tuple):
@@ -455,7 +478,7 @@ def _stage(sources: list[lazy.Source], start: int, stop: int, budget: int) -> No
         s.staged[(start, stop)] = [_stage_value(v, s.member, budget) for v in s.values[start:stop]]
 
 
-def _stage_value(v: Any, t: types.Type, budget: int) -> Any:
+def _stage_value(v: chunks.Internal, t: types.Type, budget: int) -> chunks.Internal:
     if isinstance(t, types.SequenceType):
         return _StagedStream(v, budget)
     if isinstance(t, types.StructType):
@@ -466,8 +489,8 @@ def _stage_value(v: Any, t: types.Type, budget: int) -> Any:
 class _StagedStream:
     """A client's batches pulled ahead of time; beyond the budget the rest streams."""
 
-    def __init__(self, stream: Any, budget: int):
-        self.batches: list[Any] = []
+    def __init__(self, stream: Iterable[chunks.Internal], budget: int):
+        self.batches: list[chunks.Internal] = []
         it = iter(stream)
         size = 0
         for b in it:
@@ -490,7 +513,7 @@ class _StagedStream:
     def replayable(self) -> bool:
         return self.complete
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[chunks.Internal]:
         return itertools.chain(self.batches, self.rest)
 
 
@@ -498,7 +521,8 @@ class SimulationContext:
     """Runs computations with the simulation runtime (see the module docstring)."""
 
     name = "simulation"
-    refuse: Any = None  # runs every intrinsic: STRATEGIES, else the reference semantics
+    # Runs every intrinsic: by STRATEGIES, else by the reference semantics.
+    refuse: reference.Refuse | None = None
 
     def __init__(self, options: Options | None = None, **kwargs: Any):
         self.options = options or Options(**kwargs)
@@ -561,7 +585,9 @@ class SimulationContext:
         as the Ray runtime, return a `Run` subclass overriding `compute_wave`)."""
         return Run(self, n)
 
-    def invoke(self, comp: computation.Computation, arg: Any) -> Any:
+    def invoke(
+        self, comp: computation.Computation, arg: reference.PythonValue
+    ) -> reference.PythonValue:
         reference.check_runtime_supports(self, comp)
         counters.start()
         before = counters.snapshot()
@@ -592,12 +618,12 @@ class SimulationContext:
 
 def _invoke_writing(
     run: Run,
-    fn: Any,
-    internal: Any,
+    fn: reference.Function,
+    internal: lazy.Value,
     t: types.FunctionType,
     spec: client_state.ClientStateSpec,
     binding: client_state.ClientStates,
-) -> Any:
+) -> reference.PythonValue:
     """Runs a computation whose new client states go to `binding`: they are written
     chunk by chunk in the waves (never collected), and committed if all succeeds."""
     result_t = cast(types.StructType, t.result)
@@ -621,7 +647,7 @@ def _invoke_writing(
     return client_state.replace_result(out, result_t, spec.result, binding)
 
 
-def _force_collected_deep(value: Any) -> Any:
+def _force_collected_deep(value: lazy.Value) -> reference.Value:
     value = lazy.force(value) if isinstance(value, lazy.Thunk) else value
     if isinstance(value, tuple):
         return tuple(_force_collected_deep(v) for v in value)
@@ -630,7 +656,7 @@ def _force_collected_deep(value: Any) -> Any:
     return value
 
 
-def _as_lazy(value: Any, t: types.Type | None) -> Any:
+def _as_lazy(value: reference.Value, t: types.Type | None) -> lazy.Value:
     """Turns the interpreter's per-client lists into lazy CLIENTS values."""
     if t is None:
         return None

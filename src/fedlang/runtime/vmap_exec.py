@@ -34,8 +34,13 @@ from jax import lax
 from fedlang.core import local, structure
 from fedlang.runtime import chunks, counters
 
+#: Bounds a client's batch shapes: `LocalRunner.pad_batches` for one computation.
+Pad = Callable[[Iterable[chunks.Batch]], Iterator[chunks.Batch]]
 
-def _arg_leaves_with_axes(comp: local.LocalProgram, cv: Any) -> tuple[list[Any], list[int | None]]:
+
+def _arg_leaves_with_axes(
+    comp: local.LocalProgram, cv: chunks.ChunkValue
+) -> tuple[chunks.Leaves, list[int | None]]:
     """Flat non-dataset argument leaves of a chunk, with vmap axes (None: shared)."""
     if len(comp.param_types) == 1:
         parts = [cv]
@@ -43,7 +48,7 @@ def _arg_leaves_with_axes(comp: local.LocalProgram, cv: Any) -> tuple[list[Any],
         parts = [chunks.Rep(v) for v in cv.value]
     else:
         parts = list(cv)
-    leaves: list[Any] = []
+    leaves: chunks.Leaves = []
     axes: list[int | None] = []
     for i, (part, t) in enumerate(zip(parts, comp.param_types)):
         if i != comp.seq_index:
@@ -55,11 +60,11 @@ def _arg_leaves_with_axes(comp: local.LocalProgram, cv: Any) -> tuple[list[Any],
 
 def _client_batches(
     comp: local.LocalProgram,
-    cv: Any,
+    cv: chunks.ChunkValue,
     c: int,
-    pad: Callable[[Iterable[list[Any]]], Iterator[list[Any]]],
-    streams: list[Any] | None,
-) -> list[list[list[Any]]]:
+    pad: Pad,
+    streams: list[chunks.Stream] | None,
+) -> list[list[chunks.Batch]]:
     param_t, seq_index = local.parameter_type(comp), local.dataset_index(comp)
     flat = structure.flattener(local.element_type(comp))
     out = []
@@ -72,13 +77,15 @@ def _client_batches(
 
 
 def _split_body(
-    comp: local.LocalProgram, batches: list[list[Any]], pad_to: Any
-) -> tuple[list[list[Any]], list[list[Any]]]:
+    comp: local.LocalProgram,
+    batches: list[chunks.Batch],
+    pad_to: Callable[[chunks.Batch, chunks.Batch], chunks.Batch],
+) -> tuple[list[chunks.Batch], list[chunks.Batch]]:
     """The leading run of equal-shape batches (tails padded when masked), and the rest."""
     if not batches:
         return [], []
     shapes = [np.shape(x) for x in batches[0]]
-    body: list[list[Any]] = []
+    body: list[chunks.Batch] = []
     for k, b in enumerate(batches):
         if [np.shape(x) for x in b] != shapes and comp.masked:
             b = pad_to(b, batches[0])
@@ -112,14 +119,14 @@ def padded_steps(lengths: list[int], width: int) -> int:
 
 def map_vmapped(
     comp: local.LocalProgram,
-    cv: Any,
+    cv: chunks.ChunkValue,
     c: int,
     width: int,
     group_bytes: int,
-    pad: Callable[[Iterable[list[Any]]], Iterator[list[Any]]],
-    streams: list[Any] | None = None,
+    pad: Pad,
+    streams: list[chunks.Stream] | None = None,
     rows: int | None = None,
-) -> Any:
+) -> chunks.ChunkValue:
     """Runs `comp` (which reduces a dataset) for `c` clients with vmapped groups of at
     most `width` clients and `group_bytes` of staged batches; `pad` bounds the batch
     shapes (see `LocalRunner.pad_batches`), `streams` replaces the clients' datasets,
@@ -147,7 +154,7 @@ def map_vmapped(
         if rows > fit:
             rows //= 2
             cap = rows
-    pending: list[tuple[list[int], Any, bool]] = []
+    pending: list[tuple[list[int], chunks.Leaves, bool]] = []
     start = 0
     while start < c:
         sig = _signature(bodies[order[start]])
@@ -179,20 +186,20 @@ def map_vmapped(
     return chunks.stack(results, result_t)
 
 
-def _signature(body: list[list[Any]]) -> tuple:
+def _signature(body: list[chunks.Batch]) -> tuple:
     return tuple(np.shape(x) for x in body[0]) if body else ()
 
 
 def _run_group(
     comp: local.LocalProgram,
-    arg_leaves: list[Any],
+    arg_leaves: chunks.Leaves,
     arg_axes: list[int | None],
-    shared: list[Any],
-    bodies: list[list[list[Any]]],
+    shared: chunks.Leaves,
+    bodies: list[list[chunks.Batch]],
     group: list[int],
     fused: bool,
     rows_total: int,
-) -> list[Any]:
+) -> chunks.Leaves:
     """Device arrays `[rows, ...]`: the group's results (`fused`) or states after the
     prologue and the scan of its batches; row k is client `group[k]`."""
     w = len(group)
@@ -238,14 +245,16 @@ def _run_group(
 
 def _group_program(
     comp: local.LocalProgram, arg_axes: list[int | None], n_args: int, n_leaves: int, fused: bool
-) -> Any:
+) -> Callable[..., chunks.Leaves]:
     prologue, step, epilogue = (comp.tuned_part(p) for p in ("prologue", "step", "epilogue"))
 
-    def one_client(*flat: Any) -> list[Any]:
+    def one_client(*flat: chunks.Leaf) -> chunks.Leaves:
         args, batches, valid = flat[:n_args], flat[n_args : n_args + n_leaves], flat[-1]
         state = list(prologue(*args))
 
-        def body(carry: Any, xs: Any) -> tuple[Any, None]:
+        def body(
+            carry: chunks.Leaves, xs: tuple[chunks.Batch, jax.Array]
+        ) -> tuple[chunks.Leaves, None]:
             b, v = xs
             new = step(*args, *carry, *b)
             return [jnp.where(v, n, o) for n, o in zip(new, carry)], None
