@@ -40,12 +40,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedlang.aggregators import factory as agg_factory
 from fedlang.aggregators import tools
 from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import computation, intrinsics, ir, operators, tracing, types
 from fedlang.core import processes as core_processes
-from fedlang.learning import composers, distributors, non_trainable, templates
+from fedlang.learning import (
+    composers,
+    distributors,
+    model_update_aggregator,
+    non_trainable,
+    templates,
+)
+from fedlang.learning import metrics as metrics_lib
 from fedlang.learning.models import model as model_lib
 
 StalenessWeight = Callable[[int], float]
@@ -95,17 +101,17 @@ class BufferedState(NamedTuple):
       staleness_histogram: int64[max_staleness + 1], accepted reports by staleness.
     """
 
-    model_weights: Any
+    model_weights: model_lib.ModelWeights
     version: Any
-    aggregator: Any
-    finalizer: Any
-    buffer: Any
-    buffer_staleness: Any
-    buffer_weight: Any
+    aggregator: templates.ServerState
+    finalizer: templates.ServerState
+    buffer: tuple[templates.ClientOutput, ...]
+    buffer_staleness: np.ndarray
+    buffer_weight: np.ndarray
     buffer_fill: Any
     accepted: Any
     refused_stale: Any
-    staleness_histogram: Any
+    staleness_histogram: np.ndarray
 
 
 class BufferedLearningProcess:
@@ -184,7 +190,7 @@ class BufferedLearningProcess:
 
     # -- folding reports ---------------------------------------------------------------
 
-    def check_report(self, report: Any) -> Any:
+    def check_report(self, report: Any) -> templates.ClientOutput:
         """`report` as NumPy leaves in `report_type`'s containers.
 
         Raises:
@@ -271,7 +277,7 @@ class BufferedLearningProcess:
 
     # -- the server step ---------------------------------------------------------------
 
-    def apply(self, state: BufferedState) -> tuple[BufferedState, dict[str, Any]]:
+    def apply(self, state: BufferedState) -> tuple[BufferedState, metrics_lib.MetricValues]:
         """Aggregates the K buffered reports, steps the server model, empties the buffer.
 
         Returns:
@@ -311,7 +317,7 @@ class BufferedLearningProcess:
         )
         return new_state, metrics
 
-    def _empty_buffer(self) -> tuple[Any, Any, Any]:
+    def _empty_buffer(self) -> tuple[tuple[templates.ClientOutput, ...], np.ndarray, np.ndarray]:
         k = self.buffer_size
         return ((self._empty_report,) * k, np.zeros(k, np.int32), np.zeros(k, np.float32))
 
@@ -352,7 +358,7 @@ def _check_int(name: str, value: Any, lowest: int) -> int:
 def compose_buffered_learning_process(
     initial_model_weights_fn: computation.Computation,
     client_work: templates.ClientWorkProcess,
-    aggregator_factory: Any,
+    aggregator_factory: model_update_aggregator.AggregationFactory,
     finalizer: templates.FinalizerProcess,
     *,
     buffer_size: int,
@@ -412,15 +418,8 @@ def compose_buffered_learning_process(
         )
     weights_t = initial_model_weights_fn.type_signature.result
     update_t = cast(types.StructType, weights_t)["trainable"]
-    if isinstance(aggregator_factory, agg_factory.WeightedAggregationFactory):
-        aggregator = aggregator_factory.create(update_t, np.float32)
-    elif isinstance(aggregator_factory, agg_factory.UnweightedAggregationFactory):
-        aggregator = aggregator_factory.create(update_t)
-    else:
-        raise TypeError(
-            "Expected aggregator_factory to be an aggregation factory (e.g. "
-            f"fedlang.aggregators.MeanFactory()), found {type(aggregator_factory).__name__}."
-        )
+    aggregator = model_update_aggregator.create_aggregator(
+        aggregator_factory, update_t, "aggregator_factory")
     check_not_secure(aggregator)
     distributor = distributors.build_broadcast_process(weights_t)
     result_t = composers.check_parts(weights_t, distributor, client_work, aggregator, finalizer)

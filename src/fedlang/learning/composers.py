@@ -26,7 +26,7 @@ import numpy as np
 from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import client_state, computation, operators, tracing, traffic, types
 from fedlang.core import processes as core_processes
-from fedlang.learning import non_trainable, templates, type_checks
+from fedlang.learning import non_trainable, optimizers, templates, type_checks
 from fedlang.learning.models import model as model_lib
 
 
@@ -205,19 +205,15 @@ def compose_learning_process(
             parameter="client_states", result="client_states",
         )
 
-    def get_model_weights(state: Any) -> model_lib.ModelWeights:
-        return model_lib.ModelWeights(*state.global_model_weights)
-
-    def set_model_weights(state: Any, weights: Any) -> Any:
-        return state._replace(global_model_weights=model_lib.to_numpy_weights(weights))
-
-    def get_hparams(state: Any) -> dict[str, Any]:
+    def get_hparams(state: templates.ServerState) -> optimizers.Hparams:
         return {
             "client_work": client_work.get_hparams(state.client_work),
             "finalizer": finalizer.get_hparams(state.finalizer),
         }
 
-    def set_hparams(state: Any, hparams: Any) -> Any:
+    def set_hparams(
+        state: templates.ServerState, hparams: optimizers.Hparams
+    ) -> templates.ServerState:
         unknown = set(hparams) - {"client_work", "finalizer"}
         if unknown:
             raise ValueError(
@@ -238,6 +234,20 @@ def compose_learning_process(
         initialize, next_fn, get_model_weights, set_model_weights, get_hparams, set_hparams
     )
     return process
+
+
+def get_model_weights(state: templates.ServerState) -> model_lib.ModelWeights:
+    """The model weights held in a `LearningAlgorithmState`."""
+    return model_lib.ModelWeights(*state.global_model_weights)
+
+
+def set_model_weights(state: templates.ServerState, weights: Any) -> templates.ServerState:
+    """A `LearningAlgorithmState` holding `weights` (as NumPy arrays).
+
+    Raises:
+      TypeError: when `weights` has no `trainable` and `non_trainable` parts.
+    """
+    return state._replace(global_model_weights=model_lib.to_numpy_weights(weights))
 
 
 def _client_states_type(
@@ -297,9 +307,13 @@ def traffic_measured(round_fn: computation.Computation) -> computation.Computati
         f = n.astype(jnp.float32)
         return {"num_clients": n, "broadcast_bits": f * down, "aggregated_bits": f * up}
 
-    def measured(out: Any, per_client: Any) -> Any:
+    def measured(
+        out: tracing.Value, per_client: templates.ClientValue
+    ) -> dict[str, templates.ServerValue]:
         n = operators.federated_sum(operators.federated_map(one, per_client))
-        metrics = {name: out.metrics[name] for name in out.metrics.type_signature.names}
+        # the round's metrics are a dict: every field has a name
+        names = cast(tuple[str, ...], cast(types.StructType, out.metrics.type_signature).names)
+        metrics = {name: out.metrics[name] for name in names}
         metrics["traffic"] = operators.federated_map(bits, n)
         return metrics
 

@@ -41,9 +41,20 @@ def build_local_evaluation(model: model_lib.Model) -> computation.Computation:
     return evaluate_client
 
 
+def build_finalize(model: model_lib.Model, stats_type: types.Type) -> computation.Computation:
+    """`stats -> metrics`: finalizes `model`'s summed statistics of type `stats_type`
+    (`metrics.finalize_stats`), e.g. on the server after a `federated_sum`."""
+
+    @jax_backend.jax_computation(stats_type)
+    def finalize(stats):
+        return metrics_lib.finalize_stats(model.metrics, stats)
+
+    return finalize
+
+
 def build_centralized_evaluation(
     model_fn: Callable[[], model_lib.Model] | model_lib.Model,
-) -> Callable[[Any, Iterable[Any]], dict[str, Any]]:
+) -> Callable[[Any, Iterable[model_lib.Batch]], metrics_lib.MetricValues]:
     """A function `(weights, dataset) -> metrics` evaluating weights on held-out data.
 
     Args:
@@ -57,20 +68,20 @@ def build_centralized_evaluation(
     """
     model = model_fn if isinstance(model_fn, model_lib.Model) else model_fn()
     local = build_local_evaluation(model)
-    stats_t = local.type_signature.result
+    finalize = build_finalize(model, local.type_signature.result)
 
-    @jax_backend.jax_computation(stats_t)
-    def finalize(stats):
-        return metrics_lib.finalize_stats(model.metrics, stats)
-
-    def evaluate_weights(weights: Any, dataset: Iterable[Any]) -> dict[str, Any]:
+    def evaluate_weights(
+        weights: Any, dataset: Iterable[model_lib.Batch]
+    ) -> metrics_lib.MetricValues:
         w = model_lib.to_numpy_weights(weights)
         return finalize(local(w, dataset))
 
     return evaluate_weights
 
 
-def evaluate(model: model_lib.Model, weights: Any, dataset: Iterable[Any]) -> dict[str, Any]:
+def evaluate(
+    model: model_lib.Model, weights: Any, dataset: Iterable[model_lib.Batch]
+) -> metrics_lib.MetricValues:
     """Evaluates `weights` of `model` on `dataset` (any iterable of batches), centrally.
 
     Builds the evaluation each call; keep `build_centralized_evaluation(model)` to

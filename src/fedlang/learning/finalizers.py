@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import jax
@@ -38,7 +39,33 @@ def build_apply_optimizer_finalizer(
     optimizer_fn = optimizers.as_optimizer_fn(server_optimizer, "server_optimizer")
     weights_t = types.to_type(weights_type)
     trainable_t = cast(types.StructType, weights_t)["trainable"]  # ModelWeights: a struct
-    zeros = tools.zeros(trainable_t)
+    return build_optimizer_finalizer(
+        optimizer_fn, weights_t, trainable_t, lambda weights: weights.trainable,
+        lambda weights, trainable: model_lib.ModelWeights(trainable, weights.non_trainable))
+
+
+def build_optimizer_finalizer(
+    optimizer_fn: optimizers.OptimizerFn,
+    weights_type: types.Type,
+    params_type: types.Type,
+    get_params: Callable[[model_lib.ModelWeights], model_lib.Params],
+    set_params: Callable[[model_lib.ModelWeights, model_lib.Params], model_lib.ModelWeights],
+) -> templates.FinalizerProcess:
+    """Applies the aggregated update with an Optax server optimizer to a part of the
+    weights: `build_apply_optimizer_finalizer`'s (the trainable weights), or FedPer's
+    (the shared layers).
+
+    Args:
+      optimizer_fn: `round_num -> transformation` (`optimizers.as_optimizer_fn`).
+      weights_type: the local type of the `ModelWeights`.
+      params_type: the type of the part the optimizer steps, and of the update.
+      get_params: `weights -> params`, the part (JAX code).
+      set_params: `(weights, params) -> weights` with the part replaced (JAX code).
+
+    Returns:
+      A `FinalizerProcess` as `build_apply_optimizer_finalizer`'s.
+    """
+    zeros = tools.zeros(params_type)
     initial_state = {
         "round_num": np.int32(0),
         "optimizer_state": jax.tree.map(np.asarray, optimizer_fn(jnp.int32(0)).init(zeros)),
@@ -49,26 +76,29 @@ def build_apply_optimizer_finalizer(
     def initial_state_fn():
         return initial_state
 
-    @jax_backend.jax_computation(state_t, weights_t, trainable_t, result_type=(state_t, weights_t))
+    @jax_backend.jax_computation(
+        state_t, weights_type, params_type, result_type=(state_t, weights_type))
     def apply_update(state, weights, update):
         opt = optimizer_fn(state["round_num"])
-        updates, opt_state = opt.update(update, state["optimizer_state"], weights.trainable)
-        trainable = optax.apply_updates(weights.trainable, updates)
+        params = get_params(weights)
+        updates, opt_state = opt.update(update, state["optimizer_state"], params)
+        new_params = optax.apply_updates(params, updates)
         ok = client_works.tree_is_finite(update)
-        trainable, opt_state = jax.tree.map(
+        new_params, opt_state = jax.tree.map(
             lambda new, old: jnp.where(ok, new, old),
-            (trainable, opt_state),
-            (weights.trainable, state["optimizer_state"]),
+            (new_params, opt_state),
+            (params, state["optimizer_state"]),
         )
         new_state = {"round_num": state["round_num"] + 1, "optimizer_state": opt_state}
-        return new_state, model_lib.ModelWeights(trainable, weights.non_trainable)
+        return new_state, set_params(weights, new_params)
 
     @tracing.federated_computation()
     def initialize():
         return operators.federated_eval(initial_state_fn, types.SERVER)
 
     @tracing.federated_computation(
-        types.type_at_server(state_t), types.type_at_server(weights_t), types.type_at_server(trainable_t)
+        types.type_at_server(state_t), types.type_at_server(weights_type),
+        types.type_at_server(params_type),
     )
     def next_fn(state, weights, update):
         out = operators.federated_map(apply_update, (state, weights, update))
@@ -76,14 +106,6 @@ def build_apply_optimizer_finalizer(
             out[0], out[1], operators.federated_value({}, types.SERVER)
         )
 
-    def get_hparams(state: Any) -> dict[str, Any]:
-        return optimizers.injected_hparams(state["optimizer_state"])
-
-    def set_hparams(state: Any, hparams: Any) -> Any:
-        opt_state = state["optimizer_state"]
-        new = optimizers.check_hparams(optimizers.injected_hparams(opt_state), hparams, "server")
-        if not new:
-            return state
-        return {**state, "optimizer_state": opt_state._replace(hyperparams=new)}
-
-    return templates.FinalizerProcess(initialize, next_fn, get_hparams, set_hparams)
+    return templates.FinalizerProcess(
+        initialize, next_fn, optimizers.get_state_hparams,
+        lambda state, hparams: optimizers.set_state_hparams(state, hparams, "server"))

@@ -12,10 +12,19 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
+
+if TYPE_CHECKING:  # for annotations only: the models import this module
+    from fedlang.learning.models import model as model_lib
+
+# Sufficient statistics: a pytree of arrays that sums over batches and clients.
+Stats = Any
+# Finalized metrics by name, e.g. `{'loss', <metrics>, 'num_examples', 'num_batches'}`:
+# arrays, or (a round's metrics) dicts of them.
+MetricValues = dict[str, Any]
 
 
 class Metric(abc.ABC):
@@ -28,15 +37,16 @@ class Metric(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def zero(self) -> Any:
+    def zero(self) -> Stats:
         """The statistics of no examples (a pytree of fixed-shape arrays)."""
 
     @abc.abstractmethod
-    def accumulate(self, stats: Any, predictions: Any, y: Any, mask: Any) -> Any:
+    def accumulate(self, stats: Stats, predictions: model_lib.Predictions, y: Any,
+                   mask: model_lib.Mask) -> Stats:
         """Adds one batch to `stats`; `mask` is a float32 vector of 0/1 per example."""
 
     @abc.abstractmethod
-    def finalize(self, stats: Any) -> Any:
+    def finalize(self, stats: Stats) -> Any:
         """The metric value from (summed) statistics."""
 
 
@@ -50,10 +60,11 @@ class Accuracy(Metric):
     def __init__(self, name: str = "accuracy"):
         self.name = name
 
-    def zero(self) -> Any:
+    def zero(self) -> Stats:
         return {"correct": jnp.float32(0), "count": jnp.float32(0)}
 
-    def accumulate(self, stats: Any, predictions: Any, y: Any, mask: Any) -> Any:
+    def accumulate(self, stats: Stats, predictions: model_lib.Predictions, y: Any,
+                   mask: model_lib.Mask) -> Stats:
         labels = jnp.reshape(y, (y.shape[0], *predictions.shape[1:-1]))
         hit = (jnp.argmax(predictions, axis=-1) == labels.astype(jnp.int32)).astype(jnp.float32)
         hit = per_example_mean(hit)
@@ -62,7 +73,7 @@ class Accuracy(Metric):
             "count": stats["count"] + jnp.sum(mask),
         }
 
-    def finalize(self, stats: Any) -> Any:
+    def finalize(self, stats: Stats) -> Any:
         return stats["correct"] / jnp.maximum(stats["count"], 1.0)
 
 
@@ -74,14 +85,15 @@ class MeanMetric(Metric):
       name: the key of the metric (default: the function's name).
     """
 
-    def __init__(self, fn: Callable[[Any, Any], Any], name: str | None = None):
+    def __init__(self, fn: Callable[[model_lib.Predictions, Any], Any], name: str | None = None):
         self.fn = fn
         self.name = name or cast(str, getattr(fn, "__name__", "metric"))
 
-    def zero(self) -> Any:
+    def zero(self) -> Stats:
         return {"total": jnp.float32(0), "count": jnp.float32(0)}
 
-    def accumulate(self, stats: Any, predictions: Any, y: Any, mask: Any) -> Any:
+    def accumulate(self, stats: Stats, predictions: model_lib.Predictions, y: Any,
+                   mask: model_lib.Mask) -> Stats:
         values = jnp.asarray(self.fn(predictions, y), jnp.float32)
         values = per_example_mean(values)
         return {
@@ -89,11 +101,11 @@ class MeanMetric(Metric):
             "count": stats["count"] + jnp.sum(mask),
         }
 
-    def finalize(self, stats: Any) -> Any:
+    def finalize(self, stats: Stats) -> Any:
         return stats["total"] / jnp.maximum(stats["count"], 1.0)
 
 
-def per_example_mean(values: Any) -> Any:
+def per_example_mean(values: jax.Array) -> jax.Array:
     """`values[batch, ...] -> float[batch]`: the mean over each example's entries (e.g.
     tokens). Written without a `-1` dimension, so a batch of 0 examples gives `[]`."""
     size = math.prod(values.shape[1:])
@@ -139,7 +151,7 @@ def as_metrics(metrics: Any) -> tuple[Metric, ...]:
 # --- the statistics every model reports, and their finalization -------------------------
 
 
-def zero_stats(metrics: Sequence[Metric]) -> dict[str, Any]:
+def zero_stats(metrics: Sequence[Metric]) -> Stats:
     """Zero statistics for loss, examples, batches and each metric."""
     return {
         "loss_sum": jnp.float32(0),
@@ -150,8 +162,9 @@ def zero_stats(metrics: Sequence[Metric]) -> dict[str, Any]:
 
 
 def accumulate_stats(
-    metrics: Sequence[Metric], stats: Any, loss: Any, predictions: Any, y: Any, mask: Any
-) -> dict[str, Any]:
+    metrics: Sequence[Metric], stats: Stats, loss: jax.Array, predictions: model_lib.Predictions,
+    y: Any, mask: model_lib.Mask,
+) -> Stats:
     """Adds one batch (its mean `loss` over unmasked examples) to `stats`."""
     n = jnp.sum(mask)
     return {
@@ -164,12 +177,12 @@ def accumulate_stats(
     }
 
 
-def scale_stats(stats: Any, keep: Any) -> Any:
+def scale_stats(stats: Stats, keep: jax.Array) -> Stats:
     """`stats` where `keep` (a boolean scalar), zeros elsewhere (excludes a client)."""
     return jax.tree.map(lambda s: jnp.where(keep, s, jnp.zeros_like(s)), stats)
 
 
-def finalize_stats(metrics: Sequence[Metric], stats: Any) -> dict[str, Any]:
+def finalize_stats(metrics: Sequence[Metric], stats: Stats) -> MetricValues:
     """The reported metrics from (summed) statistics: loss, each metric, counts."""
     out = {"loss": stats["loss_sum"] / jnp.maximum(stats["num_examples"], 1).astype(jnp.float32)}
     for m in metrics:

@@ -7,6 +7,9 @@ The four helpers of `tff.learning` (`robust_aggregator`, `dp_aggregator`,
     process = algorithms.build_weighted_fed_avg(
         model_fn, optax.sgd(0.1), model_aggregator=robust_aggregator())
 
+`create_aggregator` makes the aggregation process of the updates from any factory, as
+the algorithms do with their `model_aggregator`.
+
 The adaptive norms are TFF's: *zeroing* drops updates above `2 * C + 1`, with `C`
 adapting quickly (learning rate `ln 10`) to the 98th percentile of the update norms
 from 10.0; *clipping* clips to `C`, adapting (learning rate 0.2) to their 80th
@@ -18,11 +21,39 @@ the differences from TFF are listed in docs/from-tff.md.
 from __future__ import annotations
 
 import math
+from typing import Any
+
+import numpy as np
 
 from fedlang import aggregators
 from fedlang.aggregators import factory
+from fedlang.core import processes, types
 
 AggregationFactory = factory.UnweightedAggregationFactory | factory.WeightedAggregationFactory
+
+
+def create_aggregator(
+    aggregation_factory: Any, update_type: types.Type, name: str
+) -> processes.AggregationProcess:
+    """The aggregation process of the clients' updates of type `update_type`, weighted by
+    their float32 update weights when the factory is a weighted one.
+
+    Args:
+      aggregation_factory: a weighted or unweighted aggregation factory.
+      update_type: the type of one client's update.
+      name: the argument the factory was passed as (the error names it).
+
+    Raises:
+      TypeError: when `aggregation_factory` is not an aggregation factory.
+    """
+    if isinstance(aggregation_factory, factory.WeightedAggregationFactory):
+        return aggregation_factory.create(update_type, np.float32)
+    if isinstance(aggregation_factory, factory.UnweightedAggregationFactory):
+        return aggregation_factory.create(update_type)
+    raise TypeError(
+        f"Expected {name} to be an aggregation factory (e.g. "
+        f"fedlang.aggregators.MeanFactory()), found {type(aggregation_factory).__name__}."
+    )
 
 
 def _zeroing(inner: AggregationFactory) -> AggregationFactory:

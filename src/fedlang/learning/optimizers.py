@@ -24,15 +24,28 @@ processes' `get_hparams` / `set_hparams`.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-OptimizerFn = Callable[[Any], optax.GradientTransformation]
+from fedlang.learning.models import model as model_lib
+
+# Optax's names: an optimizer's state, and the gradients or model updates it turns into
+# steps (pytrees shaped like the params they move). Aliases of Any, for the reader.
+OptState = Any
+Updates = Any
+# An `inject_hyperparams` state's hyperparameters, by name.
+Hparams = dict[str, Any]
+
+# An optimizer argument: an Optax transformation, a no-argument function returning one,
+# or `round_num -> transformation` (see `as_optimizer_fn`).
+Optimizer: TypeAlias = optax.GradientTransformation | Callable[..., optax.GradientTransformation]
+# `round_num -> transformation`: the optimizer of a round (an int32 scalar in JAX code).
+OptimizerFn = Callable[[jax.Array], optax.GradientTransformation]
 
 
 def _positional_arity(fn: Callable[..., Any]) -> int | None:
@@ -81,13 +94,13 @@ def as_optimizer_fn(optimizer: Any, name: str) -> OptimizerFn:
     raise TypeError(f"Expected an optimizer function of at most one argument, found {arity}. {forms}")
 
 
-def injected_hparams(opt_state: Any) -> dict[str, Any]:
+def injected_hparams(opt_state: OptState) -> Hparams:
     """The hyperparameters held in an `inject_hyperparams` state ({} for other states)."""
     hp = getattr(opt_state, "hyperparams", None)
     return dict(hp) if isinstance(hp, dict) else {}
 
 
-def with_hparams(opt_state: Any, hparams: dict[str, Any]) -> Any:
+def with_hparams(opt_state: OptState, hparams: Hparams) -> OptState:
     """`opt_state` with its injected hyperparameters replaced by `hparams` (JAX code)."""
     if not hparams:
         return opt_state
@@ -97,7 +110,7 @@ def with_hparams(opt_state: Any, hparams: dict[str, Any]) -> Any:
     return opt_state._replace(hyperparams=new)
 
 
-def check_hparams(current: dict[str, Any], hparams: Any, what: str) -> dict[str, Any]:
+def check_hparams(current: Hparams, hparams: Mapping[str, Any] | None, what: str) -> Hparams:
     """Checks `hparams` names a subset of `current` and converts them to their dtypes.
 
     Raises:
@@ -116,21 +129,43 @@ def check_hparams(current: dict[str, Any], hparams: Any, what: str) -> dict[str,
     return out
 
 
+def get_state_hparams(state: Mapping[str, Any]) -> Hparams:
+    """The injected hyperparameters of `state['optimizer_state']` (a part's server state
+    holding an optimizer's state: a finalizer's, Mime's base optimizer's)."""
+    return injected_hparams(state["optimizer_state"])
+
+
+def set_state_hparams(
+    state: Mapping[str, Any], hparams: Mapping[str, Any] | None, what: str
+) -> Mapping[str, Any]:
+    """`state` with the injected hyperparameters of `state['optimizer_state']` set.
+
+    Raises:
+      ValueError: for a name that is not one of the optimizer's (`what` says which
+        optimizer, e.g. 'server').
+    """
+    opt_state = state["optimizer_state"]
+    new = check_hparams(injected_hparams(opt_state), hparams, what)
+    if not new:
+        return state
+    return {**state, "optimizer_state": opt_state._replace(hyperparams=new)}
+
+
 # -- TFF's optimizers (tff.learning.optimizers, TFF 0.87) ---------------------------------
 
 
 class TFFAdaptiveState(NamedTuple):
     """The state of `build_adam` / `build_yogi`: step count and the two moments."""
 
-    step: Any
-    accumulator: Any
-    preconditioner: Any
+    step: jax.Array
+    accumulator: model_lib.Params
+    preconditioner: model_lib.Params
 
 
 class TFFPreconditionerState(NamedTuple):
     """The state of `build_adagrad`, and of `build_sgdm` (its velocity) with momentum."""
 
-    preconditioner: Any
+    preconditioner: model_lib.Params
 
 
 def _leafwise(fn: Callable[..., Any], *trees: Any) -> Any:
@@ -142,12 +177,13 @@ def _adaptive(learning_rate: Any, beta_1: Any, beta_2: Any, epsilon: Any,
               ) -> optax.GradientTransformation:
     """Adam and Yogi as TFF writes them: bias correction folded into the step size."""
 
-    def init(params: Any) -> TFFAdaptiveState:
+    def init(params: model_lib.Params) -> TFFAdaptiveState:
         return TFFAdaptiveState(
             jnp.int32(0), _leafwise(jnp.zeros_like, params),
             _leafwise(lambda p: jnp.full_like(p, initial_preconditioner_value), params))
 
-    def update(grads: Any, state: TFFAdaptiveState, params: Any = None) -> tuple[Any, Any]:
+    def update(grads: Updates, state: TFFAdaptiveState,
+               params: model_lib.Params = None) -> tuple[Updates, TFFAdaptiveState]:
         del params
         step = state.step + 1
         t = step.astype(jnp.float32)
@@ -161,11 +197,11 @@ def _adaptive(learning_rate: Any, beta_1: Any, beta_2: Any, epsilon: Any,
     return optax.GradientTransformation(init, update)
 
 
-def _adam_moment(s: Any, g: Any, beta_2: Any) -> Any:
+def _adam_moment(s: jax.Array, g: jax.Array, beta_2: Any) -> jax.Array:
     return s + (jnp.square(g) - s) * (1 - beta_2)
 
 
-def _yogi_moment(s: Any, g: Any, beta_2: Any) -> Any:
+def _yogi_moment(s: jax.Array, g: jax.Array, beta_2: Any) -> jax.Array:
     g2 = jnp.square(g)
     return s + (1 - beta_2) * jnp.sign(g2 - s) * g2
 
@@ -208,10 +244,11 @@ def build_sgdm(learning_rate: float = 0.01, momentum: float | None = None,
     _check_rate("momentum", momentum, 0.0, 1.0 + 1e-12)
 
     def sgdm(learning_rate: Any, momentum: Any) -> optax.GradientTransformation:
-        def init(params: Any) -> TFFPreconditionerState:
+        def init(params: model_lib.Params) -> TFFPreconditionerState:
             return TFFPreconditionerState(_leafwise(jnp.zeros_like, params))
 
-        def update(grads: Any, state: TFFPreconditionerState, params: Any = None) -> Any:
+        def update(grads: Updates, state: TFFPreconditionerState,
+                   params: model_lib.Params = None) -> tuple[Updates, TFFPreconditionerState]:
             del params
             v = _leafwise(lambda a, g: momentum * a + g, state.preconditioner, grads)
             step = _leafwise(lambda g, a: g + momentum * a, grads, v) if nesterov else v
@@ -319,10 +356,11 @@ def build_adagrad(learning_rate: float, initial_preconditioner_value: float = 0.
     init_v = float(initial_preconditioner_value)
 
     def adagrad(learning_rate: Any, epsilon: Any) -> optax.GradientTransformation:
-        def init(params: Any) -> TFFPreconditionerState:
+        def init(params: model_lib.Params) -> TFFPreconditionerState:
             return TFFPreconditionerState(_leafwise(lambda p: jnp.full_like(p, init_v), params))
 
-        def update(grads: Any, state: TFFPreconditionerState, params: Any = None) -> Any:
+        def update(grads: Updates, state: TFFPreconditionerState,
+                   params: model_lib.Params = None) -> tuple[Updates, TFFPreconditionerState]:
             del params
             v = _leafwise(lambda s, g: s + jnp.square(g), state.preconditioner, grads)
             updates = _leafwise(

@@ -18,10 +18,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from fedlang.learning import optimizers
+from fedlang.learning import client_works, optimizers
 from fedlang.learning.models import model as model_lib
+
+# A strategy's training state on one client: a pytree of arrays (`finetune`'s: the
+# weights and the optimizer's state).
+TrainingState = Any
 
 
 @runtime_checkable
@@ -34,54 +37,55 @@ class PersonalizationStrategy(Protocol):
 
     num_epochs: int
 
-    def initial_state(self, model: model_lib.Model, weights: model_lib.ModelWeights) -> Any:
+    def initial_state(
+        self, model: model_lib.Model, weights: model_lib.ModelWeights
+    ) -> TrainingState:
         """The training state, from the global weights (a pytree of arrays)."""
 
-    def step(self, model: model_lib.Model, state: Any, batch: Any, mask: Any) -> Any:
+    def step(self, model: model_lib.Model, state: TrainingState, batch: model_lib.Batch,
+             mask: model_lib.Mask) -> TrainingState:
         """One batch: `mask` is float32, one 0/1 per example (0 for padding); a batch of
         only padding must leave the state unchanged."""
 
-    def weights(self, state: Any) -> model_lib.ModelWeights:
+    def weights(self, state: TrainingState) -> model_lib.ModelWeights:
         """The personalized weights held in `state`."""
 
 
 class Finetune:
     """Fine-tuning: `num_epochs` passes of local training with `optimizer` (see `finetune`)."""
 
-    def __init__(self, optimizer: Any, num_epochs: int = 1):
+    def __init__(self, optimizer: optimizers.Optimizer, num_epochs: int = 1):
         self.optimizer = optimizers.as_optimizer_fn(optimizer, "optimizer")(jnp.int32(0))
         if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 0:
             raise ValueError(f"Expected num_epochs to be an integer >= 0, found {num_epochs!r}.")
         self.num_epochs = num_epochs
 
-    def initial_state(self, model: model_lib.Model, weights: model_lib.ModelWeights) -> Any:
+    def initial_state(
+        self, model: model_lib.Model, weights: model_lib.ModelWeights
+    ) -> TrainingState:
         del model
         return weights, self.optimizer.init(weights.trainable)
 
-    def step(self, model: model_lib.Model, state: Any, batch: Any, mask: Any) -> Any:
+    def step(self, model: model_lib.Model, state: TrainingState, batch: model_lib.Batch,
+             mask: model_lib.Mask) -> TrainingState:
         weights, opt_state = state
         x, y, batch_mask = model_lib.batch_fields(batch)
         mask = model_lib.combine_masks(batch_mask, mask)
 
-        def loss_fn(trainable: Any) -> Any:
-            preds, nt = model.apply(model_lib.ModelWeights(trainable, weights.non_trainable), x,
-                                    training=True)
-            return model.loss(preds, y, mask), nt
-
-        (_, nt), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights.trainable)
-        updates, new_opt = self.optimizer.update(grads, opt_state, weights.trainable)
-        new = (model_lib.ModelWeights(optax.apply_updates(weights.trainable, updates), nt), new_opt)
+        new_weights, new_opt, _, _ = client_works.train_step(
+            model, self.optimizer, weights, opt_state, x, y, mask)
+        new = (new_weights, new_opt)
         keep = jnp.sum(mask) > 0
         return jax.tree.map(lambda a, b: jnp.where(keep, a, b), new, state)
 
-    def weights(self, state: Any) -> model_lib.ModelWeights:
+    def weights(self, state: TrainingState) -> model_lib.ModelWeights:
         return state[0]
 
     def __repr__(self) -> str:
         return f"finetune({self.optimizer!r}, num_epochs={self.num_epochs})"
 
 
-def finetune(optimizer: Any, num_epochs: int = 1) -> Finetune:
+def finetune(optimizer: optimizers.Optimizer, num_epochs: int = 1) -> Finetune:
     """A strategy training the model on the client's training data, from the global weights.
 
     Args:

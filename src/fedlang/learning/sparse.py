@@ -41,17 +41,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedlang.backends.jax import computation as jc
+from fedlang.core import computation, processes, sparse, tracing, types
 from fedlang.core import operators as ops
-from fedlang.core import processes, sparse, tracing, types
+from fedlang.learning.models import model as model_lib
 
 _ROW_MEANS = ("touched", "all")
+
+# `loss_fn(rows[K, D], dense, batch) -> float32[b]`: per-example losses of a batch whose
+# features refer to local row positions.
+RowsLoss = Callable[[jax.Array, model_lib.Params, model_lib.Batch], jax.Array]
 
 
 class SparseModelWeights(NamedTuple):
     """The server state: the large `table[num_rows, row_dim]` and small `dense` params."""
 
-    table: Any
-    dense: Any
+    table: Any  # float32[num_rows, row_dim] (or, in a type spec, its type)
+    dense: model_lib.Params
 
 
 def pad_keys(keys: Any, rows_per_client: int) -> np.ndarray:
@@ -73,7 +78,9 @@ def pad_keys(keys: Any, rows_per_client: int) -> np.ndarray:
     return np.concatenate([keys, np.full(rows_per_client - len(keys), keys[-1], np.int32)])
 
 
-def bag_of_words_loss(rows: Any, dense: Any, batch: Any) -> Any:
+def bag_of_words_loss(
+    rows: jax.Array, dense: model_lib.Params, batch: model_lib.Batch
+) -> jax.Array:
     """Per-example softmax cross-entropy of a linear bag-of-words classifier.
 
     `batch` holds `ids int32[b, L]` (local row positions), `counts float32[b, L]` (0 for
@@ -84,7 +91,9 @@ def bag_of_words_loss(rows: Any, dense: Any, batch: Any) -> Any:
     return -jnp.take_along_axis(logp, batch["y"][:, None], axis=1)[:, 0]
 
 
-def bag_of_words_logits(rows: Any, dense: Any, batch: Any) -> Any:
+def bag_of_words_logits(
+    rows: jax.Array, dense: model_lib.Params, batch: model_lib.Batch
+) -> jax.Array:
     """`sum_l counts[:, l] * rows[ids[:, l]] + dense`: logits[b, row_dim]."""
     return jnp.einsum("bl,bld->bd", batch["counts"], rows[batch["ids"]]) + dense
 
@@ -99,12 +108,12 @@ def build_row_distributor(num_rows: int, row_dim: int, rows_per_client: int) -> 
     row_t = types.TensorType(np.float32, [row_dim])
 
     @jc.jax_computation(table_t, np.int32)
-    def select_row(table: Any, key: Any) -> Any:
+    def select_row(table: jax.Array, key: jax.Array) -> jax.Array:
         return table[key]
 
     @jc.jax_computation(types.SequenceType(row_t))
     def gather(rows: Any) -> Any:
-        def step(state: Any, row: Any) -> Any:
+        def step(state: tuple[jax.Array, jax.Array], row: jax.Array) -> tuple[jax.Array, jax.Array]:
             block, pos = state
             return block.at[pos].set(row), pos + 1
 
@@ -124,9 +133,9 @@ def build_sparse_client_work(
     rows_per_client: int,
     dense_type: Any,
     element_type: Any,
-    loss_fn: Callable[[Any, Any, Any], Any],
+    loss_fn: RowsLoss,
     client_lr: float,
-) -> Any:
+) -> computation.Computation:
     """Local SGD on a client's rows: a `jax_computation` returning its sparse update.
 
     Type: `(<rows=float32[K,D],dense=Dd,keys=int32[K],data=sequence<E>> ->
@@ -137,13 +146,16 @@ def build_sparse_client_work(
     keys_t = types.TensorType(np.int32, [rows_per_client])
     lr = np.float32(client_lr)
 
-    def masked_loss(params: Any, batch: Any, mask: Any) -> Any:
+    def masked_loss(params: tuple[jax.Array, model_lib.Params], batch: model_lib.Batch,
+                    mask: model_lib.Mask) -> tuple[jax.Array, jax.Array]:
         losses = loss_fn(params[0], params[1], batch)
         return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0), jnp.sum(losses * mask)
 
     @jc.jax_computation(rows_t, dense_type, keys_t, types.SequenceType(element_type))
-    def client_update(rows: Any, dense: Any, keys: Any, data: Any) -> Any:
-        def step(state: Any, batch: Any, mask: Any) -> Any:
+    def client_update(rows: jax.Array, dense: model_lib.Params, keys: jax.Array,
+                      data: Any) -> dict[str, Any]:
+        def step(state: tuple[Any, jax.Array, jax.Array], batch: model_lib.Batch,
+                 mask: model_lib.Mask) -> tuple[Any, jax.Array, jax.Array]:
             params, loss_sum, n = state
             grads, batch_loss = jax.grad(masked_loss, has_aux=True)(params, batch, mask)
             params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
@@ -168,8 +180,8 @@ def build_sparse_fed_avg(
     rows_per_client: int,
     element_type: Any,
     *,
-    loss_fn: Callable[[Any, Any, Any], Any] = bag_of_words_loss,
-    dense_init: Any = None,
+    loss_fn: RowsLoss = bag_of_words_loss,
+    dense_init: model_lib.Params = None,
     table_init: Callable[[], Any] | None = None,
     client_lr: float = 0.1,
     server_lr: float = 1.0,
@@ -215,23 +227,24 @@ def build_sparse_fed_avg(
     s_lr = np.float32(server_lr)
 
     @jc.jax_computation()
-    def init_state() -> Any:
+    def init_state() -> SparseModelWeights:
         table = jnp.zeros((num_rows, row_dim), jnp.float32) if table_init is None else table_init()
         return SparseModelWeights(jnp.asarray(table, jnp.float32), dense0)
 
     @jc.jax_computation(state_t, rows_sparse_t, dense_t, np.float32)
-    def server_update(state: Any, rows: Any, dense: Any, scale: Any) -> Any:
+    def server_update(state: SparseModelWeights, rows: sparse.SparseTensor, dense: model_lib.Params,
+                      scale: jax.Array) -> SparseModelWeights:
         idx = rows.indices
         table = state.table.at[idx[:, 0], idx[:, 1]].add(s_lr * scale * rows.values)
         new_dense = jax.tree.map(lambda p, d: p + s_lr * d, state.dense, dense)
         return SparseModelWeights(table, new_dense)
 
     @jc.jax_computation(np.float32, np.float32)
-    def finish_metrics(loss_sum: Any, n: Any) -> Any:
+    def finish_metrics(loss_sum: jax.Array, n: jax.Array) -> dict[str, jax.Array]:
         return {"loss": loss_sum / jnp.maximum(n, 1.0), "num_examples": n}
 
     @jc.jax_computation(np.float32)
-    def one(unused: Any) -> Any:
+    def one(unused: jax.Array) -> jax.Array:
         del unused
         return jnp.float32(1)
 
@@ -241,7 +254,7 @@ def build_sparse_fed_avg(
     )
 
     @tracing.federated_computation()
-    def initialize() -> Any:
+    def initialize() -> tracing.Value:
         return ops.federated_eval(init_state, types.SERVER)
 
     @tracing.federated_computation(
@@ -249,7 +262,8 @@ def build_sparse_fed_avg(
         types.FederatedType(types.TensorType(np.int32, [rows_per_client]), types.CLIENTS),
         types.FederatedType(types.SequenceType(element_type), types.CLIENTS),
     )
-    def next_fn(state: Any, client_keys: Any, client_data: Any) -> Any:
+    def next_fn(state: tracing.Value, client_keys: tracing.Value,
+                client_data: tracing.Value) -> tuple[tracing.Value, tracing.Value]:
         rows = distribute(state.table, client_keys)
         dense = ops.federated_broadcast(state.dense)
         out = ops.federated_map(client_update, (rows, dense, client_keys, client_data))
@@ -271,5 +285,5 @@ def build_sparse_fed_avg(
 
 
 @jc.jax_computation(np.float32)
-def _reciprocal(x: Any) -> Any:
+def _reciprocal(x: jax.Array) -> jax.Array:
     return 1.0 / x

@@ -19,8 +19,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from fedlang.core import computation, processes
+from fedlang.core import computation, processes, tracing
+from fedlang.learning import metrics as metrics_lib
+from fedlang.learning import optimizers
 from fedlang.learning.models import model as model_lib
+
+# Names for what the processes and their parts pass around, for the reader.
+
+# The state of a process, or of one of its parts, at the server: a pytree of arrays.
+ServerState = Any
+# A client's own state, kept across rounds (SCAFFOLD's control variate, Ditto's
+# personal model, FedPer's local layers).
+ClientState = Any
+# Values inside a federated computation being traced (`tracing.Value`s), placed at the
+# server or at the clients: what the parts' federated computations take and return.
+ServerValue = tracing.Value
+ClientValue = tracing.Value
+# What one client's JAX function returns: a dict with the `update`, `update_weight`,
+# `non_trainable` of its `ClientResult`, its metric statistics and diagnostics
+# (`client_works.client_output`), and whatever the client work adds.
+ClientOutput = dict[str, Any]
 
 
 class ClientResult(NamedTuple):
@@ -35,9 +53,9 @@ class ClientResult(NamedTuple):
         composer; `[]` for models without them.
     """
 
-    update: Any
+    update: optimizers.Updates
     update_weight: Any
-    non_trainable: Any = ()
+    non_trainable: model_lib.Params = ()
 
 
 class StatefulClientResult(NamedTuple):
@@ -49,27 +67,27 @@ class StatefulClientResult(NamedTuple):
         personal model, FedPer's local layers); it stays with the client.
     """
 
-    update: Any
+    update: optimizers.Updates
     update_weight: Any
-    non_trainable: Any
-    client_state: Any
+    non_trainable: model_lib.Params
+    client_state: ClientState
 
 
 class LearningAlgorithmState(NamedTuple):
     """The server state of a composed learning process: one pytree, one checkpoint."""
 
-    global_model_weights: Any
-    distributor: Any
-    client_work: Any
-    aggregator: Any
-    finalizer: Any
+    global_model_weights: Any  # ModelWeights' values (k-means': the centroids)
+    distributor: ServerState
+    client_work: ServerState
+    aggregator: ServerState
+    finalizer: ServerState
 
 
 class LearningProcessOutput(NamedTuple):
     """`process.next(...)` returns the new state and this round's metrics (a nested dict)."""
 
-    state: Any
-    metrics: Any
+    state: ServerState
+    metrics: metrics_lib.MetricValues
 
 
 class StatefulLearningProcessOutput(NamedTuple):
@@ -77,17 +95,17 @@ class StatefulLearningProcessOutput(NamedTuple):
     returns: the new state, this round's metrics, and the cohort's new client states
     (a list when `client_states` was a list; the binding, committed, when it was one)."""
 
-    state: Any
-    metrics: Any
+    state: ServerState
+    metrics: metrics_lib.MetricValues
     client_states: Any
 
 
-def _no_hparams(state: Any) -> dict[str, Any]:
+def _no_hparams(state: ServerState) -> optimizers.Hparams:
     del state
     return {}
 
 
-def _set_no_hparams(state: Any, hparams: Any) -> Any:
+def _set_no_hparams(state: ServerState, hparams: optimizers.Hparams) -> ServerState:
     del hparams
     return state
 
@@ -99,8 +117,8 @@ class _PartProcess(processes.MeasuredProcess):
         self,
         initialize_fn: computation.Computation,
         next_fn: computation.Computation,
-        get_hparams_fn: Callable[[Any], Any] | None = None,
-        set_hparams_fn: Callable[[Any, Any], Any] | None = None,
+        get_hparams_fn: Callable[[ServerState], optimizers.Hparams] | None = None,
+        set_hparams_fn: Callable[[ServerState, optimizers.Hparams], ServerState] | None = None,
     ):
         super().__init__(initialize_fn, next_fn)
         self.get_hparams = get_hparams_fn or _no_hparams
@@ -138,11 +156,11 @@ class ClientWorkProcess(_PartProcess):
         self,
         initialize_fn: computation.Computation,
         next_fn: computation.Computation,
-        get_hparams_fn: Callable[[Any], Any] | None = None,
-        set_hparams_fn: Callable[[Any, Any], Any] | None = None,
+        get_hparams_fn: Callable[[ServerState], optimizers.Hparams] | None = None,
+        set_hparams_fn: Callable[[ServerState, optimizers.Hparams], ServerState] | None = None,
         *,
-        client_fn: Callable[[Any, Any, Any], Any] | None = None,
-        measure: Callable[[Any], Any] | None = None,
+        client_fn: Callable[[model_lib.ModelWeights, ServerState, Any], ClientOutput] | None = None,
+        measure: Callable[[ClientValue], ServerValue] | None = None,
         initial_client_state: computation.Computation | None = None,
     ):
         super().__init__(initialize_fn, next_fn, get_hparams_fn, set_hparams_fn)
@@ -176,10 +194,10 @@ class LearningProcess(processes.IterativeProcess):
         self,
         initialize_fn: computation.Computation,
         next_fn: computation.Computation,
-        get_model_weights: Callable[[Any], model_lib.ModelWeights],
-        set_model_weights: Callable[[Any, Any], Any],
-        get_hparams: Callable[[Any], Any] = _no_hparams,
-        set_hparams: Callable[[Any, Any], Any] = _set_no_hparams,
+        get_model_weights: Callable[[ServerState], model_lib.ModelWeights],
+        set_model_weights: Callable[[ServerState, Any], ServerState],
+        get_hparams: Callable[[ServerState], optimizers.Hparams] = _no_hparams,
+        set_hparams: Callable[[ServerState, optimizers.Hparams], ServerState] = _set_no_hparams,
     ):
         super().__init__(initialize_fn, next_fn)
         self.get_model_weights = get_model_weights

@@ -20,9 +20,9 @@ against values TFF 0.87 computed. It runs on the host, once, when a process is b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 _M32 = np.uint64(0xFFFFFFFF)
 _PHILOX_M = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
@@ -30,7 +30,7 @@ _PHILOX_W = (np.uint64(0x9E3779B9), np.uint64(0xBB67AE85))
 _SEED_KEY = (0x3EC8F720, 0x02461E29)  # GenerateKey's fixed key
 
 
-def philox_4x32_10(counter: Sequence[Any], key: Sequence[Any]) -> list[Any]:
+def philox_4x32_10(counter: Sequence[ArrayLike], key: Sequence[ArrayLike]) -> list[np.ndarray]:
     """Ten Philox-4x32 rounds on counters given as four uint64 arrays of 32-bit words."""
     c = [np.asarray(x, np.uint64) for x in counter]
     k0, k1 = (np.asarray(x, np.uint64) for x in key)

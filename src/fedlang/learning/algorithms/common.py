@@ -9,10 +9,16 @@ from typing import Any, TypeVar
 
 import jax
 
-from fedlang import aggregators
 from fedlang.backends.jax import computation as jax_backend
-from fedlang.core import computation
-from fedlang.learning import composers, distributors, finalizers, templates
+from fedlang.core import computation, types
+from fedlang.learning import (
+    composers,
+    distributors,
+    finalizers,
+    model_update_aggregator,
+    optimizers,
+    templates,
+)
 from fedlang.learning.models import model as model_lib
 
 # TFF's keyword arguments of its algorithm builders -> fedlang's, or what to do instead.
@@ -94,12 +100,12 @@ def initial_weights_fn(model: model_lib.Model, seed: int = 0) -> computation.Com
 def build_process(
     model: model_lib.Model,
     client_work: templates.ClientWorkProcess,
-    server_optimizer: Any,
+    server_optimizer: optimizers.Optimizer,
     model_distributor: templates.DistributionProcess | None,
-    model_aggregator: Any,
-    default_aggregator: Any,
+    model_aggregator: model_update_aggregator.AggregationFactory | None,
+    default_aggregator: model_update_aggregator.AggregationFactory,
     seed: int = 0,
-    update_type: Any = None,
+    update_type: types.Type | None = None,
     model_finalizer: templates.FinalizerProcess | None = None,
 ) -> templates.LearningProcess:
     """The four parts around `client_work`, composed (`model_finalizer` replaces the
@@ -112,23 +118,8 @@ def build_process(
     weights_t = init_fn.type_signature.result
     update_t = update_type or weights_t["trainable"]  # type: ignore[index]
     factory = default_aggregator if model_aggregator is None else model_aggregator
-    if isinstance(factory, aggregators.WeightedAggregationFactory):
-        aggregator = factory.create(update_t, client_work_weight_type())
-    elif isinstance(factory, aggregators.UnweightedAggregationFactory):
-        aggregator = factory.create(update_t)
-    else:
-        raise TypeError(
-            "Expected model_aggregator to be an aggregation factory (e.g. "
-            f"fedlang.aggregators.MeanFactory()), found {type(factory).__name__}."
-        )
+    aggregator = model_update_aggregator.create_aggregator(factory, update_t, "model_aggregator")
     distributor = model_distributor or distributors.build_broadcast_process(weights_t)
     finalizer = model_finalizer or finalizers.build_apply_optimizer_finalizer(
         server_optimizer, weights_t)
     return composers.compose_learning_process(init_fn, distributor, client_work, aggregator, finalizer)
-
-
-def client_work_weight_type() -> Any:
-    """The type of `ClientResult.update_weight`."""
-    import numpy as np
-
-    return np.float32

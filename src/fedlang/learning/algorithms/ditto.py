@@ -20,18 +20,20 @@ weights `w^0` (`v_k^0 = w^0`, as in the paper).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 
 from fedlang import aggregators
-from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import computation, operators, tracing, types
-from fedlang.core import processes as core_processes
-from fedlang.learning import client_works, evaluation, optimizers, templates
+from fedlang.learning import (
+    client_works,
+    evaluation,
+    model_update_aggregator,
+    optimizers,
+    templates,
+)
 from fedlang.learning import metrics as metrics_lib
 from fedlang.learning.algorithms import common
 from fedlang.learning.algorithms.fed_avg import SERVER_SGD, ModelFn
@@ -43,25 +45,8 @@ def _ditto_client_work(
     personal_fn: optimizers.OptimizerFn, lam: float, weighting: str, seed: int,
 ) -> templates.ClientWorkProcess:
     weights_t = model.weights_type()
-    data_t = types.SequenceType(model.input_spec)
     metrics = model.metrics
-    state_t = types.to_type({"round_num": np.int32(0)})
 
-    def train_step(weights: Any, opt: Any, opt_state: Any, x: Any, y: Any, mask: Any,
-                   pull_to: Any) -> tuple[Any, Any, Any, Any]:
-        def loss_fn(trainable: Any) -> Any:
-            preds, nt = model.apply(model_lib.ModelWeights(trainable, weights.non_trainable), x,
-                                    training=True)
-            return model.loss(preds, y, mask), (preds, nt)
-
-        (loss, (preds, nt)), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights.trainable)
-        if pull_to is not None:
-            grads = jax.tree.map(lambda g, v, w: g + lam * (v - w), grads, weights.trainable, pull_to)
-        updates, new_opt_state = opt.update(grads, opt_state, weights.trainable)
-        new = model_lib.ModelWeights(optax.apply_updates(weights.trainable, updates), nt)
-        return new, new_opt_state, loss, preds
-
-    @jax_backend.jax_computation(weights_t, state_t, data_t, weights_t)
     def client_update(initial_weights, state, dataset, personal):
         opt, popt = optimizer_fn(state["round_num"]), personal_fn(state["round_num"])
         w0 = initial_weights.trainable
@@ -70,9 +55,11 @@ def _ditto_client_work(
             weights, opt_state, mine, my_opt_state, stats, my_stats = carry
             x, y, mask = model_lib.batch_fields(batch)
             mask = model_lib.combine_masks(mask, padding)
-            new, new_opt_state, loss, preds = train_step(weights, opt, opt_state, x, y, mask, None)
-            new_mine, new_my_opt_state, my_loss, my_preds = train_step(
-                mine, popt, my_opt_state, x, y, mask, w0)
+            new, new_opt_state, loss, preds = client_works.train_step(
+                model, opt, weights, opt_state, x, y, mask)
+            # the pull toward the round's global model, not toward the moving copy of it
+            new_mine, new_my_opt_state, my_loss, my_preds = client_works.train_step(
+                model, popt, mine, my_opt_state, x, y, mask, proximal_strength=lam, anchor=w0)
             keep = jnp.sum(mask) > 0  # an all-padding batch changes nothing
             moved = jax.tree.map(lambda a, b: jnp.where(keep, a, b),
                                  (new, new_opt_state, new_mine, new_my_opt_state),
@@ -94,58 +81,28 @@ def _ditto_client_work(
         out["personal_stats"] = metrics_lib.scale_stats(my_stats, ok)
         return out
 
-    @jax_backend.jax_computation(client_update.type_signature.result)
-    def to_result(out):
-        return templates.StatefulClientResult(
-            out["update"], out["update_weight"], out["non_trainable"], out["client_state"])
-
-    @jax_backend.jax_computation(state_t)
-    def next_round(state):
-        return {"round_num": state["round_num"] + 1}
-
-    @jax_backend.jax_computation()
-    def initial_state():
-        return {"round_num": np.int32(0)}
-
-    @tracing.federated_computation()
-    def initialize():
-        return operators.federated_eval(initial_state, types.SERVER)
-
-    @tracing.federated_computation(
-        types.type_at_server(state_t), types.type_at_clients(weights_t),
-        types.type_at_clients(data_t), types.type_at_clients(weights_t))
-    def next_fn(state, weights, client_data, client_states):
-        outputs = operators.federated_map(
-            client_update, (weights, operators.federated_broadcast(state), client_data,
-                            client_states))
+    def measure(outputs: templates.ClientValue) -> templates.ServerValue:
         base = client_works.measurements(model, outputs)
-        stats_t = outputs.type_signature.member["personal_stats"]
-
-        @jax_backend.jax_computation(stats_t)
-        def finalize(stats):
-            return metrics_lib.finalize_stats(metrics, stats)
-
+        output_t = cast(types.StructType, cast(types.FederatedType, outputs.type_signature).member)
+        finalize = evaluation.build_finalize(model, output_t["personal_stats"])
         personal = operators.federated_map(finalize, operators.federated_sum(outputs.personal_stats))
-        measurements = operators.federated_zip(
+        return operators.federated_zip(
             {"train": base.train, "personal": personal, "diagnostics": base.diagnostics})
-        return core_processes.MeasuredProcessOutput(
-            operators.federated_map(next_round, state), operators.federated_map(to_result, outputs),
-            measurements)
 
-    return templates.ClientWorkProcess(
-        initialize, next_fn, initial_client_state=common.initial_weights_fn(model, seed))
+    return client_works.build_stateful_client_work(
+        model, weights_t, weights_t, client_update, common.initial_weights_fn(model, seed), measure)
 
 
 def build_ditto(
     model_fn: ModelFn,
-    client_optimizer: Any,
+    client_optimizer: optimizers.Optimizer,
     lam: float,
-    personal_optimizer: Any = None,
-    server_optimizer: Any = SERVER_SGD,
+    personal_optimizer: optimizers.Optimizer | None = None,
+    server_optimizer: optimizers.Optimizer = SERVER_SGD,
     *,
     client_weighting: str = "num_examples",
     model_distributor: templates.DistributionProcess | None = None,
-    model_aggregator: Any = None,
+    model_aggregator: model_update_aggregator.AggregationFactory | None = None,
     seed: int = 0,
 ) -> templates.LearningProcess:
     """Ditto: FedAvg for the global model, and a personal model per client (see the
@@ -206,11 +163,7 @@ def build_ditto_eval(model_fn: ModelFn) -> computation.Computation:
     model = common.make_model(model_fn)
     weights_t = model.weights_type()
     local = evaluation.build_local_evaluation(model)
-    stats_t = local.type_signature.result
-
-    @jax_backend.jax_computation(stats_t)
-    def finalize(stats):
-        return metrics_lib.finalize_stats(model.metrics, stats)
+    finalize = evaluation.build_finalize(model, local.type_signature.result)
 
     @tracing.federated_computation(
         types.type_at_server(weights_t), types.type_at_clients(weights_t),

@@ -12,7 +12,7 @@ from typing import Any
 import optax
 
 from fedlang import aggregators
-from fedlang.learning import client_works, templates
+from fedlang.learning import client_works, model_update_aggregator, optimizers, templates
 from fedlang.learning.algorithms import common
 from fedlang.learning.models import model as model_lib
 
@@ -25,12 +25,12 @@ SERVER_SGD = optax.sgd(1.0)
 @common.tff_keywords
 def build_weighted_fed_avg(
     model_fn: ModelFn,
-    client_optimizer: Any,
-    server_optimizer: Any = SERVER_SGD,
+    client_optimizer: optimizers.Optimizer,
+    server_optimizer: optimizers.Optimizer = SERVER_SGD,
     *,
     client_weighting: str = "num_examples",
     model_distributor: templates.DistributionProcess | None = None,
-    model_aggregator: Any = None,
+    model_aggregator: model_update_aggregator.AggregationFactory | None = None,
     seed: int = 0,
 ) -> templates.LearningProcess:
     """Federated Averaging (McMahan et al., 2017) with weighted client updates.
@@ -66,11 +66,11 @@ def build_weighted_fed_avg(
 @common.tff_keywords
 def build_unweighted_fed_avg(
     model_fn: ModelFn,
-    client_optimizer: Any,
-    server_optimizer: Any = SERVER_SGD,
+    client_optimizer: optimizers.Optimizer,
+    server_optimizer: optimizers.Optimizer = SERVER_SGD,
     *,
     model_distributor: templates.DistributionProcess | None = None,
-    model_aggregator: Any = None,
+    model_aggregator: model_update_aggregator.AggregationFactory | None = None,
     seed: int = 0,
 ) -> templates.LearningProcess:
     """Federated Averaging where every client's update counts equally.
@@ -93,12 +93,12 @@ def build_unweighted_fed_avg(
 def build_fed_prox(
     model_fn: ModelFn,
     proximal_strength: float,
-    client_optimizer: Any,
-    server_optimizer: Any = SERVER_SGD,
+    client_optimizer: optimizers.Optimizer,
+    server_optimizer: optimizers.Optimizer = SERVER_SGD,
     *,
     client_weighting: str = "num_examples",
     model_distributor: templates.DistributionProcess | None = None,
-    model_aggregator: Any = None,
+    model_aggregator: model_update_aggregator.AggregationFactory | None = None,
     seed: int = 0,
 ) -> templates.LearningProcess:
     """FedProx (Li et al., 2020): FedAvg whose clients minimize
@@ -124,15 +124,17 @@ def build_fed_prox(
     )
 
 
-def _fed_opt(server: Callable[..., Any]) -> Callable[..., templates.LearningProcess]:
+def _fed_opt(
+    server: Callable[..., optax.GradientTransformation],
+) -> Callable[..., templates.LearningProcess]:
     def build(
         model_fn: ModelFn,
-        client_optimizer: Any,
+        client_optimizer: optimizers.Optimizer,
         server_learning_rate: float = 1e-2,
         *,
         client_weighting: str = "num_examples",
         model_distributor: templates.DistributionProcess | None = None,
-        model_aggregator: Any = None,
+        model_aggregator: model_update_aggregator.AggregationFactory | None = None,
         seed: int = 0,
         **server_kwargs: Any,
     ) -> templates.LearningProcess:

@@ -7,23 +7,21 @@ its staleness. See `fedlang.learning.buffered` and docs/learning.md.
 
 from __future__ import annotations
 
-from typing import Any
-
 from fedlang import aggregators
-from fedlang.learning import buffered, client_works, finalizers
+from fedlang.learning import buffered, client_works, finalizers, model_update_aggregator, optimizers
 from fedlang.learning.algorithms import common, fed_avg
 
 
 @common.tff_keywords
 def build_fed_buff(
     model_fn: fed_avg.ModelFn,
-    client_optimizer_fn: Any,
-    server_optimizer_fn: Any = fed_avg.SERVER_SGD,
+    client_optimizer_fn: optimizers.Optimizer,
+    server_optimizer_fn: optimizers.Optimizer = fed_avg.SERVER_SGD,
     *,
     buffer_size: int = 10,
     max_staleness: int = 100,
     staleness_weight: buffered.StalenessWeight | None = None,
-    model_aggregator: Any = None,
+    model_aggregator: model_update_aggregator.AggregationFactory | None = None,
     client_weighting: str = "num_examples",
     seed: int = 0,
 ) -> buffered.BufferedLearningProcess:

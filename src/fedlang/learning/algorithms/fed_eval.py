@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import jax
 
 from fedlang.backends.jax import computation as jax_backend
-from fedlang.core import operators, tracing, types
+from fedlang.core import computation, operators, tracing, types
 from fedlang.learning import composers, distributors, evaluation, templates
 from fedlang.learning import metrics as metrics_lib
 from fedlang.learning.algorithms import common
@@ -43,29 +43,60 @@ def build_fed_eval(
     """
     model = common.make_model(model_fn)
     init_weights = common.initial_weights_fn(model, seed)
-    weights_t = init_weights.type_signature.result
     local = evaluation.build_local_evaluation(model)
-    stats_t = local.type_signature.result
-    distributor = model_distributor or distributors.build_broadcast_process(weights_t)
+    distributor = model_distributor or distributors.build_broadcast_process(
+        init_weights.type_signature.result)
+
+    def client_stats(
+        weights: templates.ClientValue, client_data: templates.ClientValue
+    ) -> templates.ClientValue:
+        return operators.federated_map(local, (weights, client_data))
+
+    return build_eval_process(model, init_weights, distributor, client_stats)
+
+
+def build_eval_process(
+    model: model_lib.Model,
+    initial_weights_fn: computation.Computation,
+    distributor: templates.DistributionProcess,
+    client_stats: Callable[[templates.ClientValue, templates.ClientValue], templates.ClientValue],
+) -> templates.LearningProcess:
+    """An evaluation process around `client_stats(weights@CLIENTS, data@CLIENTS) ->
+    stats@CLIENTS`, the clients' summed statistics of `model` (`metrics.zero_stats`'s).
+
+    `next(state, client_data)` distributes the state's weights, sums the clients'
+    statistics and adds them to the running total kept as the client work's state; its
+    metrics are `build_fed_eval`'s. Federated Reconstruction's evaluation is one too,
+    with statistics taken after reconstructing each client's local weights.
+
+    Args:
+      model: the model evaluated (its input spec types the clients' data).
+      initial_weights_fn: `( -> ModelWeights)`, the weights the state starts with.
+      distributor: sends the weights to the clients.
+      client_stats: traced in the round's federated computation.
+
+    Returns:
+      A `LearningProcess` whose weights never change.
+    """
     data_t = types.type_at_clients(types.SequenceType(model.input_spec))
 
     @jax_backend.jax_computation()
     def zero():
         return metrics_lib.zero_stats(model.metrics)
 
+    stats_t = zero.type_signature.result
+
     @jax_backend.jax_computation(stats_t, stats_t, result_type=stats_t)
     def add(a, b):
         return jax.tree.map(lambda x, y: x + y, a, b)
 
-    @jax_backend.jax_computation(stats_t)
-    def finalize(stats):
-        return metrics_lib.finalize_stats(model.metrics, stats)
+    finalize = evaluation.build_finalize(model, stats_t)
 
     @tracing.federated_computation()
     def initialize():
         return operators.federated_zip(
             templates.LearningAlgorithmState(
-                operators.federated_eval(init_weights, types.SERVER),
+                operators.federated_eval(initial_weights_fn, types.SERVER),
                 distributor.initialize(),
                 operators.federated_eval(zero, types.SERVER),
                 operators.federated_value((), types.SERVER),
@@ -76,8 +107,8 @@ def build_fed_eval(
     @tracing.federated_computation(initialize.type_signature.result, data_t)
     def round_fn(state, client_data):
         sent = distributor.next(state.distributor, state.global_model_weights)
-        client_stats = operators.federated_map(local, (sent.result, client_data))
-        stats = operators.federated_sum(client_stats)
+        stats_at_clients = client_stats(sent.result, client_data)
+        stats = operators.federated_sum(stats_at_clients)
         total = operators.federated_map(add, (state.client_work, stats))
         new_state = operators.federated_zip(
             templates.LearningAlgorithmState(
@@ -94,14 +125,8 @@ def build_fed_eval(
             "aggregator": operators.federated_value({}, types.SERVER),
             "finalizer": operators.federated_value({}, types.SERVER),
         }
-        return templates.LearningProcessOutput(new_state, metrics), client_stats.num_examples
+        return templates.LearningProcessOutput(new_state, metrics), stats_at_clients.num_examples
 
-    next_fn = composers.traffic_measured(round_fn)
-
-    def get_model_weights(state: Any) -> model_lib.ModelWeights:
-        return model_lib.ModelWeights(*state.global_model_weights)
-
-    def set_model_weights(state: Any, weights: Any) -> Any:
-        return state._replace(global_model_weights=model_lib.to_numpy_weights(weights))
-
-    return templates.LearningProcess(initialize, next_fn, get_model_weights, set_model_weights)
+    return templates.LearningProcess(
+        initialize, composers.traffic_measured(round_fn), composers.get_model_weights,
+        composers.set_model_weights)

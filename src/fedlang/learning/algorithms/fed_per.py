@@ -22,15 +22,20 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 
 from fedlang import aggregators
 from fedlang.aggregators import tools
 from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import computation, operators, tracing, types
 from fedlang.core import processes as core_processes
-from fedlang.learning import client_works, evaluation, optimizers, templates
+from fedlang.learning import (
+    client_works,
+    evaluation,
+    finalizers,
+    model_update_aggregator,
+    optimizers,
+    templates,
+)
 from fedlang.learning import metrics as metrics_lib
 from fedlang.learning.algorithms import common
 from fedlang.learning.algorithms.fed_avg import SERVER_SGD, ModelFn
@@ -90,11 +95,11 @@ class Partition:
         local = [x for x, loc in zip(leaves, self.is_local) if loc]
         return shared, local
 
-    def split(self, trainable: Any) -> tuple[list[Any], list[Any]]:
+    def split(self, trainable: model_lib.Params) -> tuple[list[Any], list[Any]]:
         """(shared leaves, local leaves) of a trainable-weights pytree."""
         return self.split_leaves(jax.tree.leaves(trainable))
 
-    def join(self, shared: Any, local: Any) -> Any:
+    def join(self, shared: Iterable[Any], local: Iterable[Any]) -> model_lib.Params:
         """The trainable-weights pytree from its shared and local leaves."""
         shared_it, local_it = iter(list(shared)), iter(list(local))
         leaves = [next(local_it) if loc else next(shared_it) for loc in self.is_local]
@@ -125,12 +130,8 @@ def _distributor(partition: Partition, weights_t: types.Type) -> templates.Distr
 def _client_work(model: model_lib.Model, partition: Partition, sent_t: types.Type,
                  optimizer_fn: optimizers.OptimizerFn, weighting: str,
                  seed: int) -> templates.ClientWorkProcess:
-    data_t = types.SequenceType(model.input_spec)
-    local_t = partition.local_type
     metrics = model.metrics
-    state_t = types.to_type({"round_num": np.int32(0)})
 
-    @jax_backend.jax_computation(sent_t, state_t, data_t, local_t)
     def client_update(sent, state, dataset, local):
         opt = optimizer_fn(state["round_num"])
         initial = model_lib.ModelWeights(partition.join(sent["shared"], local),
@@ -140,16 +141,8 @@ def _client_work(model: model_lib.Model, partition: Partition, sent_t: types.Typ
             weights, opt_state, stats = carry
             x, y, mask = model_lib.batch_fields(batch)
             mask = model_lib.combine_masks(mask, padding)
-
-            def loss_fn(trainable: Any) -> Any:
-                preds, nt = model.apply(model_lib.ModelWeights(trainable, weights.non_trainable),
-                                        x, training=True)
-                return model.loss(preds, y, mask), (preds, nt)
-
-            (loss, (preds, nt)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                weights.trainable)
-            updates, new_opt_state = opt.update(grads, opt_state, weights.trainable)
-            new = model_lib.ModelWeights(optax.apply_updates(weights.trainable, updates), nt)
+            new, new_opt_state, loss, preds = client_works.train_step(
+                model, opt, weights, opt_state, x, y, mask)
             keep = jnp.sum(mask) > 0  # an all-padding batch changes nothing
             new, new_opt_state = jax.tree.map(lambda a, b: jnp.where(keep, a, b),
                                               (new, new_opt_state), (weights, opt_state))
@@ -168,98 +161,38 @@ def _client_work(model: model_lib.Model, partition: Partition, sent_t: types.Typ
         out["client_state"] = [jnp.where(ok, a, b) for a, b in zip(trained_local, local)]
         return out
 
-    @jax_backend.jax_computation(client_update.type_signature.result)
-    def to_result(out):
-        return templates.StatefulClientResult(
-            out["update"], out["update_weight"], out["non_trainable"], out["client_state"])
-
-    @jax_backend.jax_computation(state_t)
-    def next_round(state):
-        return {"round_num": state["round_num"] + 1}
-
-    @jax_backend.jax_computation()
-    def initial_state():
-        return {"round_num": np.int32(0)}
-
     @jax_backend.jax_computation()
     def initial_local():
         return partition.split(model.initial_weights(jax.random.key(seed)).trainable)[1]
 
-    @tracing.federated_computation()
-    def initialize():
-        return operators.federated_eval(initial_state, types.SERVER)
-
-    @tracing.federated_computation(
-        types.type_at_server(state_t), types.type_at_clients(sent_t),
-        types.type_at_clients(data_t), types.type_at_clients(local_t))
-    def next_fn(state, sent, client_data, client_states):
-        outputs = operators.federated_map(
-            client_update, (sent, operators.federated_broadcast(state), client_data, client_states))
-        return core_processes.MeasuredProcessOutput(
-            operators.federated_map(next_round, state), operators.federated_map(to_result, outputs),
-            client_works.measurements(model, outputs))
-
-    return templates.ClientWorkProcess(initialize, next_fn, initial_client_state=initial_local)
+    return client_works.build_stateful_client_work(
+        model, sent_t, partition.local_type, client_update, initial_local)
 
 
-def _finalizer(partition: Partition, server_optimizer: Any,
+def _finalizer(partition: Partition, server_optimizer: optimizers.Optimizer,
                weights_t: types.Type) -> templates.FinalizerProcess:
     """Applies the server optimizer to the shared weights (the update's), leaving the
     server's copy of the local layers as it is."""
-    optimizer_fn = optimizers.as_optimizer_fn(server_optimizer, "server_optimizer")
-    shared_t = partition.shared_type
-    zeros = tools.zeros(shared_t)
-    initial = {"round_num": np.int32(0),
-               "optimizer_state": jax.tree.map(np.asarray, optimizer_fn(jnp.int32(0)).init(zeros))}
-    state_t = types.to_type(initial)
 
-    @jax_backend.jax_computation()
-    def initial_state():
-        return initial
+    def with_shared(
+        weights: model_lib.ModelWeights, shared: model_lib.Params
+    ) -> model_lib.ModelWeights:
+        local = partition.split(weights.trainable)[1]
+        return model_lib.ModelWeights(partition.join(shared, local), weights.non_trainable)
 
-    @jax_backend.jax_computation(state_t, weights_t, shared_t, result_type=(state_t, weights_t))
-    def apply_update(state, weights, update):
-        opt = optimizer_fn(state["round_num"])
-        shared, local = partition.split(weights.trainable)
-        updates, opt_state = opt.update(update, state["optimizer_state"], shared)
-        new_shared = optax.apply_updates(shared, updates)
-        ok = client_works.tree_is_finite(update)
-        new_shared, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
-                                             (new_shared, opt_state),
-                                             (shared, state["optimizer_state"]))
-        return ({"round_num": state["round_num"] + 1, "optimizer_state": opt_state},
-                model_lib.ModelWeights(partition.join(new_shared, local), weights.non_trainable))
-
-    @tracing.federated_computation()
-    def initialize():
-        return operators.federated_eval(initial_state, types.SERVER)
-
-    @tracing.federated_computation(types.type_at_server(state_t), types.type_at_server(weights_t),
-                                   types.type_at_server(shared_t))
-    def next_fn(state, weights, update):
-        out = operators.federated_map(apply_update, (state, weights, update))
-        return core_processes.MeasuredProcessOutput(
-            out[0], out[1], operators.federated_value({}, types.SERVER))
-
-    def get_hparams(state: Any) -> dict[str, Any]:
-        return optimizers.injected_hparams(state["optimizer_state"])
-
-    def set_hparams(state: Any, hparams: Any) -> Any:
-        opt_state = state["optimizer_state"]
-        new = optimizers.check_hparams(optimizers.injected_hparams(opt_state), hparams, "server")
-        return state if not new else {**state, "optimizer_state": opt_state._replace(hyperparams=new)}
-
-    return templates.FinalizerProcess(initialize, next_fn, get_hparams, set_hparams)
+    return finalizers.build_optimizer_finalizer(
+        optimizers.as_optimizer_fn(server_optimizer, "server_optimizer"), weights_t,
+        partition.shared_type, lambda weights: partition.split(weights.trainable)[0], with_shared)
 
 
 def build_fed_per(
     model_fn: ModelFn,
-    client_optimizer: Any,
+    client_optimizer: optimizers.Optimizer,
     local_layers: LocalLayers,
-    server_optimizer: Any = SERVER_SGD,
+    server_optimizer: optimizers.Optimizer = SERVER_SGD,
     *,
     client_weighting: str = "num_examples",
-    model_aggregator: Any = None,
+    model_aggregator: model_update_aggregator.AggregationFactory | None = None,
     seed: int = 0,
 ) -> templates.LearningProcess:
     """FedPer-style partial-model training (see the module docstring).
@@ -331,9 +264,7 @@ def build_fed_per_eval(model_fn: ModelFn, local_layers: LocalLayers) -> computat
         shared = partition.split(weights.trainable)[0]
         return model_lib.ModelWeights(partition.join(shared, own), weights.non_trainable)
 
-    @jax_backend.jax_computation(stats_t)
-    def finalize(stats):
-        return metrics_lib.finalize_stats(model.metrics, stats)
+    finalize = evaluation.build_finalize(model, stats_t)
 
     @tracing.federated_computation(types.type_at_server(weights_t),
                                    types.type_at_clients(partition.local_type),

@@ -41,16 +41,18 @@ import optax
 
 from fedlang import aggregators
 from fedlang.backends.jax import computation as jax_backend
-from fedlang.core import operators, processes, tracing, types
+from fedlang.core import computation, operators, processes, tracing, types
 from fedlang.learning import (
     client_works,
     composers,
     distributors,
     finalizers,
+    model_update_aggregator,
     optimizers,
     templates,
 )
 from fedlang.learning import metrics as metrics_lib
+from fedlang.learning.algorithms import fed_eval
 from fedlang.learning.models import model as model_lib
 from fedlang.learning.models import reconstruction
 
@@ -80,7 +82,7 @@ def _make_model(model_fn: Any) -> ReconstructionModel:
     return model
 
 
-def _optimizer(optimizer: Any, name: str) -> optax.GradientTransformation:
+def _optimizer(optimizer: optimizers.Optimizer, name: str) -> optax.GradientTransformation:
     """An Optax transformation, or a no-argument function returning one (TFF's habit)."""
     return optimizers.as_optimizer_fn(optimizer, name)(jnp.int32(0))
 
@@ -104,10 +106,20 @@ class _Stages:
         self.initial_global, self.initial_local = jax.tree.map(
             np.asarray, recon_model.split(full))
 
+    def initial_weights_fn(self) -> computation.Computation:
+        """`( -> ModelWeights)`: the model's initial global weights (what the server holds)."""
+        initial_global = self.initial_global
+
+        @jax_backend.jax_computation()
+        def initial_weights():
+            return jax.tree.map(jnp.asarray, initial_global)
+
+        return initial_weights
+
     # --- batch selection -----------------------------------------------------------------
 
-    def selected(self, parity: int, index: Any, steps: Any, steps_max: int | None,
-                 real: Any) -> Any:
+    def selected(self, parity: int, index: jax.Array, steps: jax.Array, steps_max: int | None,
+                 real: jax.Array) -> jax.Array:
         """Whether batch `index` (real batches counted from 0) is one of the stage's."""
         ok = real
         if self.split.split_dataset:
@@ -116,12 +128,15 @@ class _Stages:
             ok = ok & (steps < steps_max)
         return ok
 
-    def _full(self, global_w: Any, local: Any) -> model_lib.ModelWeights:
+    def _full(self, global_w: model_lib.ModelWeights,
+              local: model_lib.ModelWeights) -> model_lib.ModelWeights:
         return self.recon.merge(global_w, local)
 
     # --- reconstruction --------------------------------------------------------------------
 
-    def reconstruct(self, weights: Any, client_data: Any) -> Any:
+    def reconstruct(
+        self, weights: templates.ClientValue, client_data: templates.ClientValue
+    ) -> templates.ClientValue:
         """Traced in a federated computation: the reconstructed local weights @CLIENTS."""
         model, opt, split = self.model, self.recon_optimizer, self.split
         local0 = self.initial_local
@@ -134,7 +149,8 @@ class _Stages:
 
             return operators.federated_map(initial_local, weights)
 
-        def run(global_w: Any, carry: Any, dataset: Any) -> Any:
+        def run(global_w: model_lib.ModelWeights, carry: tuple[Any, ...], dataset: Any) -> tuple[
+                model_lib.ModelWeights, optimizers.OptState, jax.Array]:
             def step(c, batch, padding):
                 local, opt_state, steps, index = c
                 x, y, mask = model_lib.batch_fields(batch)
@@ -142,7 +158,7 @@ class _Stages:
                 real = jnp.sum(padding) > 0
                 use = self.selected(0, index, steps, split.recon_steps_max, real)
 
-                def loss_fn(trainable: Any) -> Any:
+                def loss_fn(trainable: model_lib.Params) -> tuple[jax.Array, model_lib.Params]:
                     full = self._full(global_w, model_lib.ModelWeights(trainable, local.non_trainable))
                     preds, nt = model.apply(full, x, training=True)
                     return model.loss(preds, y, mask), nt
@@ -182,9 +198,12 @@ class _Stages:
 
     # --- post-reconstruction: training or evaluation ---------------------------------------
 
-    def post_reconstruction(self, weights: Any, local: Any, client_data: Any, *, train: bool,
+    def post_reconstruction(self, weights: templates.ClientValue, local: templates.ClientValue,
+                            client_data: templates.ClientValue, *, train: bool,
                             optimizer: optax.GradientTransformation | None = None,
-                            finish: Callable[[Any, Any], Any] | None = None) -> Any:
+                            finish: Callable[[model_lib.ModelWeights, tuple[Any, ...]],
+                                             templates.ClientOutput] | None = None,
+                            ) -> templates.ClientValue:
         """Traced: `finish(global_w, (trainable, opt_state, steps, stats))` @CLIENTS after
         the post-reconstruction passes (training the global trainable weights, or only
         accumulating evaluation statistics)."""
@@ -192,7 +211,8 @@ class _Stages:
         local_t = types.to_type(self.initial_local)
         opt = optimizer or optax.identity()
 
-        def run(global_w: Any, local: Any, carry: Any, dataset: Any) -> Any:
+        def run(global_w: model_lib.ModelWeights, local: model_lib.ModelWeights,
+                carry: tuple[Any, ...], dataset: Any) -> tuple[Any, ...]:
             def step(c, batch, padding):
                 trainable, opt_state, steps, stats, index = c
                 x, y, mask = model_lib.batch_fields(batch)
@@ -200,7 +220,7 @@ class _Stages:
                 real = jnp.sum(padding) > 0
                 use = self.selected(1, index, steps, split.post_recon_steps_max, real)
 
-                def loss_fn(t: Any) -> Any:
+                def loss_fn(t: model_lib.Params) -> tuple[jax.Array, model_lib.Predictions]:
                     full = self._full(model_lib.ModelWeights(t, global_w.non_trainable), local)
                     preds, _ = model.apply(full, x, training=train)
                     return model.loss(preds, y, mask), preds
@@ -250,7 +270,7 @@ def _client_work(stages: _Stages, optimizer: optax.GradientTransformation,
                  weighting: str) -> templates.ClientWorkProcess:
     model = stages.model
 
-    def finish(global_w: Any, carry: Any) -> Any:
+    def finish(global_w: model_lib.ModelWeights, carry: tuple[Any, ...]) -> templates.ClientOutput:
         trainable, _, _, stats = carry
         update = jax.tree.map(lambda a, b: a - b, global_w.trainable, trainable)
         return client_works.client_output(model, update, stats["num_examples"], weighting, stats, ())
@@ -268,10 +288,7 @@ def _client_work(stages: _Stages, optimizer: optax.GradientTransformation,
         outputs = stages.post_reconstruction(
             weights, local, client_data, train=True, optimizer=optimizer, finish=finish)
 
-        @jax_backend.jax_computation(outputs.type_signature.member)
-        def to_result(out):
-            return templates.ClientResult(out["update"], out["update_weight"], out["non_trainable"])
-
+        to_result = client_works.build_to_result(outputs.type_signature.member)
         result = operators.federated_map(to_result, outputs)
         return processes.MeasuredProcessOutput(
             state, result, client_works.measurements(model, outputs))
@@ -282,13 +299,13 @@ def _client_work(stages: _Stages, optimizer: optax.GradientTransformation,
 def build_fed_recon(
     model_fn: ModelFn,
     *,
-    server_optimizer_fn: Any = SERVER_SGD,
-    client_optimizer_fn: Any = CLIENT_SGD,
-    reconstruction_optimizer_fn: Any = RECONSTRUCTION_SGD,
+    server_optimizer_fn: optimizers.Optimizer = SERVER_SGD,
+    client_optimizer_fn: optimizers.Optimizer = CLIENT_SGD,
+    reconstruction_optimizer_fn: optimizers.Optimizer = RECONSTRUCTION_SGD,
     dataset_split_fn: reconstruction.DatasetSplit | None = None,
     client_weighting: str | None = None,
     model_distributor: templates.DistributionProcess | None = None,
-    model_aggregator_factory: Any = None,
+    model_aggregator_factory: model_update_aggregator.AggregationFactory | None = None,
     seed: int = 0,
 ) -> templates.LearningProcess:
     """Federated Reconstruction training (module docstring), TFF's arguments.
@@ -334,23 +351,10 @@ def build_fed_recon(
     stages = _Stages(recon_model, split,
                      _optimizer(reconstruction_optimizer_fn, "reconstruction_optimizer_fn"), seed)
     work = _client_work(stages, _optimizer(client_optimizer_fn, "client_optimizer_fn"), weighting)
-    initial_global = stages.initial_global
-
-    @jax_backend.jax_computation()
-    def initial_weights():
-        return jax.tree.map(jnp.asarray, initial_global)
-
+    initial_weights = stages.initial_weights_fn()
     weights_t = initial_weights.type_signature.result
-    update_t = weights_t["trainable"]  # type: ignore[index]
-    if isinstance(factory, aggregators.WeightedAggregationFactory):
-        aggregator = factory.create(update_t, np.float32)
-    elif isinstance(factory, aggregators.UnweightedAggregationFactory):
-        aggregator = factory.create(update_t)
-    else:
-        raise TypeError(
-            "Expected model_aggregator_factory to be an aggregation factory (e.g. "
-            f"fedlang.aggregators.MeanFactory()), found {type(factory).__name__}."
-        )
+    aggregator = model_update_aggregator.create_aggregator(
+        factory, weights_t["trainable"], "model_aggregator_factory")  # type: ignore[index]
     return composers.compose_learning_process(
         initial_weights,
         model_distributor or distributors.build_broadcast_process(weights_t),
@@ -363,7 +367,7 @@ def build_fed_recon(
 def build_fed_recon_eval(
     model_fn: ModelFn,
     *,
-    reconstruction_optimizer_fn: Any = RECONSTRUCTION_SGD,
+    reconstruction_optimizer_fn: optimizers.Optimizer = RECONSTRUCTION_SGD,
     dataset_split_fn: reconstruction.DatasetSplit | None = None,
     model_distributor: templates.DistributionProcess | None = None,
     seed: int = 0,
@@ -395,64 +399,14 @@ def build_fed_recon_eval(
         DEFAULT_SPLIT if dataset_split_fn is None else dataset_split_fn)
     stages = _Stages(recon_model, split,
                      _optimizer(reconstruction_optimizer_fn, "reconstruction_optimizer_fn"), seed)
-    model = stages.model
-    initial_global = stages.initial_global
+    initial_weights = stages.initial_weights_fn()
+    distributor = model_distributor or distributors.build_broadcast_process(
+        initial_weights.type_signature.result)
 
-    @jax_backend.jax_computation()
-    def initial_weights():
-        return jax.tree.map(jnp.asarray, initial_global)
+    def client_stats(
+        weights: templates.ClientValue, client_data: templates.ClientValue
+    ) -> templates.ClientValue:
+        local = stages.reconstruct(weights, client_data)
+        return stages.post_reconstruction(weights, local, client_data, train=False)
 
-    weights_t = initial_weights.type_signature.result
-    distributor = model_distributor or distributors.build_broadcast_process(weights_t)
-
-    @jax_backend.jax_computation()
-    def zero():
-        return metrics_lib.zero_stats(model.metrics)
-
-    stats_t = zero.type_signature.result
-
-    @jax_backend.jax_computation(stats_t, stats_t, result_type=stats_t)
-    def add(a, b):
-        return jax.tree.map(lambda x, y: x + y, a, b)
-
-    @jax_backend.jax_computation(stats_t)
-    def finalize(stats):
-        return metrics_lib.finalize_stats(model.metrics, stats)
-
-    @tracing.federated_computation()
-    def initialize():
-        return operators.federated_zip(templates.LearningAlgorithmState(
-            operators.federated_eval(initial_weights, types.SERVER), distributor.initialize(),
-            operators.federated_eval(zero, types.SERVER),
-            operators.federated_value((), types.SERVER), operators.federated_value((), types.SERVER),
-        ))
-
-    @tracing.federated_computation(initialize.type_signature.result,
-                                   types.type_at_clients(stages.data_t))
-    def round_fn(state, client_data):
-        sent = distributor.next(state.distributor, state.global_model_weights)
-        local = stages.reconstruct(sent.result, client_data)
-        client_stats = stages.post_reconstruction(sent.result, local, client_data, train=False)
-        stats = operators.federated_sum(client_stats)
-        total = operators.federated_map(add, (state.client_work, stats))
-        new_state = operators.federated_zip(templates.LearningAlgorithmState(
-            state.global_model_weights, sent.state, total, state.aggregator, state.finalizer))
-        metrics = {
-            "distributor": sent.measurements,
-            "client_work": {"eval": {
-                "current_round_metrics": operators.federated_map(finalize, stats),
-                "total_rounds_metrics": operators.federated_map(finalize, total),
-            }},
-            "aggregator": operators.federated_value({}, types.SERVER),
-            "finalizer": operators.federated_value({}, types.SERVER),
-        }
-        return templates.LearningProcessOutput(new_state, metrics), client_stats.num_examples
-
-    def get_model_weights(state: Any) -> model_lib.ModelWeights:
-        return model_lib.ModelWeights(*state.global_model_weights)
-
-    def set_model_weights(state: Any, weights: Any) -> Any:
-        return state._replace(global_model_weights=model_lib.to_numpy_weights(weights))
-
-    return templates.LearningProcess(
-        initialize, composers.traffic_measured(round_fn), get_model_weights, set_model_weights)
+    return fed_eval.build_eval_process(stages.model, initial_weights, distributor, client_stats)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import optax
 
 from fedlang import aggregators
-from fedlang.learning import client_works, templates
+from fedlang.learning import client_works, model_update_aggregator, optimizers, templates
 from fedlang.learning.algorithms import common
 from fedlang.learning.algorithms.fed_avg import ModelFn
 
@@ -17,11 +15,11 @@ _SERVER_SGD = optax.sgd(0.1)
 @common.tff_keywords
 def build_fed_sgd(
     model_fn: ModelFn,
-    server_optimizer: Any = _SERVER_SGD,
+    server_optimizer: optimizers.Optimizer = _SERVER_SGD,
     *,
     client_weighting: str = "num_examples",
     model_distributor: templates.DistributionProcess | None = None,
-    model_aggregator: Any = None,
+    model_aggregator: model_update_aggregator.AggregationFactory | None = None,
     seed: int = 0,
 ) -> templates.LearningProcess:
     """Federated SGD (Shokri & Shmatikov, 2015; McMahan et al., 2017).

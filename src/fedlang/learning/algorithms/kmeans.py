@@ -188,10 +188,10 @@ def build_fed_kmeans(
         _finalizer(centroids_t, k),
     )
 
-    def get_model_weights(state: Any) -> np.ndarray:
+    def get_model_weights(state: templates.ServerState) -> np.ndarray:
         return np.asarray(state.global_model_weights)
 
-    def set_model_weights(state: Any, centroids: Any) -> Any:
+    def set_model_weights(state: templates.ServerState, centroids: Any) -> templates.ServerState:
         value = np.asarray(centroids)
         if value.shape != (k, *shape) or value.dtype.kind not in "fiu":
             raise ValueError(

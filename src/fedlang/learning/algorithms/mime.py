@@ -9,7 +9,7 @@ state with the averaged full gradient.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ from fedlang.aggregators import tools
 from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import operators, tracing, types
 from fedlang.core import processes as core_processes
-from fedlang.learning import client_works, optimizers, templates
+from fedlang.learning import client_works, model_update_aggregator, optimizers, templates
 from fedlang.learning import metrics as metrics_lib
 from fedlang.learning.algorithms import common
 from fedlang.learning.algorithms.fed_avg import SERVER_SGD, ModelFn
@@ -30,7 +30,7 @@ from fedlang.learning.models import model as model_lib
 
 def _mime_client_work(
     model: model_lib.Model, base_optimizer: optax.GradientTransformation, weighting: str,
-    full_gradient_aggregator: Any,
+    full_gradient_aggregator: aggregators.WeightedAggregationFactory,
 ) -> templates.ClientWorkProcess:
     weights_t = model.weights_type()
     trainable_t = cast(types.StructType, weights_t)["trainable"]  # ModelWeights: a struct
@@ -51,17 +51,11 @@ def _mime_client_work(
             x, y, mask = model_lib.batch_fields(batch)
             mask = model_lib.combine_masks(mask, padding)
 
-            def loss_at(trainable: Any) -> Any:
-                preds, nt = model.apply(
-                    model_lib.ModelWeights(trainable, weights.non_trainable), x, training=True
-                )
-                return model.loss(preds, y, mask), (preds, nt)
-
-            (loss, (preds, nt)), grads = jax.value_and_grad(loss_at, has_aux=True)(weights.trainable)
-            full_grads = jax.grad(lambda t: loss_at(t)[0])(w0)
-            updates, _ = base_optimizer.update(grads, opt_state, weights.trainable)  # state frozen
+            new, _, loss, preds = client_works.train_step(  # the base state stays frozen
+                model, base_optimizer, weights, opt_state, x, y, mask)
+            loss_fn = client_works.train_loss(model, weights.non_trainable, x, y, mask)
+            full_grads = jax.grad(lambda t: loss_fn(t)[0])(w0)
             n = jnp.sum(mask)
-            new = model_lib.ModelWeights(optax.apply_updates(weights.trainable, updates), nt)
             new = jax.tree.map(lambda a, b: jnp.where(n > 0, a, b), new, weights)
             grad_sum = jax.tree.map(lambda s, g: s + g * n.astype(g.dtype), grad_sum, full_grads)
             stats = metrics_lib.accumulate_stats(metrics, stats, loss, preds, y, mask)
@@ -82,9 +76,7 @@ def _mime_client_work(
         out["full_gradient_weight"] = jnp.where(finite, n, jnp.float32(0))
         return out
 
-    @jax_backend.jax_computation(client_update.type_signature.result)
-    def to_result(out):
-        return templates.ClientResult(out["update"], out["update_weight"], out["non_trainable"])
+    to_result = client_works.build_to_result(client_update.type_signature.result)
 
     @jax_backend.jax_computation(state_t, trainable_t, result_type=state_t)
     def update_state(opt_state, full_gradient):
@@ -128,29 +120,21 @@ def _mime_client_work(
             new_state, operators.federated_map(to_result, outputs), measurements
         )
 
-    def get_hparams(state: Any) -> dict[str, Any]:
-        return optimizers.injected_hparams(state["optimizer_state"])
-
-    def set_hparams(state: Any, hparams: Any) -> Any:
-        opt_state = state["optimizer_state"]
-        new = optimizers.check_hparams(optimizers.injected_hparams(opt_state), hparams, "base")
-        if not new:
-            return state
-        return {**state, "optimizer_state": opt_state._replace(hyperparams=new)}
-
-    return templates.ClientWorkProcess(initialize, next_fn, get_hparams, set_hparams)
+    return templates.ClientWorkProcess(
+        initialize, next_fn, optimizers.get_state_hparams,
+        lambda state, hparams: optimizers.set_state_hparams(state, hparams, "base"))
 
 
 @common.tff_keywords
 def build_mime_lite(
     model_fn: ModelFn,
     base_optimizer: optax.GradientTransformation,
-    server_optimizer: Any = SERVER_SGD,
+    server_optimizer: optimizers.Optimizer = SERVER_SGD,
     *,
     client_weighting: str = "num_examples",
-    full_gradient_aggregator: Any = None,
+    full_gradient_aggregator: aggregators.WeightedAggregationFactory | None = None,
     model_distributor: templates.DistributionProcess | None = None,
-    model_aggregator: Any = None,
+    model_aggregator: model_update_aggregator.AggregationFactory | None = None,
     seed: int = 0,
 ) -> templates.LearningProcess:
     """Mime Lite: local steps with the server's (frozen) base optimizer state.

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 from fedlang.aggregators import tools
 from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import computation, operators, tracing, types
-from fedlang.learning import evaluation, personalization
-from fedlang.learning import metrics as metrics_lib
+from fedlang.learning import evaluation, personalization, templates
 from fedlang.learning.algorithms import common
 from fedlang.learning.algorithms.fed_avg import ModelFn
 
@@ -56,7 +55,9 @@ def _check_strategies(personalize_fn_dict: Any) -> dict[str, personalization.Per
     return out
 
 
-def _collector(metrics_t: types.Type, max_num_clients: int, seed: int) -> tuple[Any, ...]:
+def _collector(
+    metrics_t: types.Type, max_num_clients: int, seed: int
+) -> tuple[computation.Computation, ...]:
     """`federated_aggregate`'s parts collecting each client's metrics, one row per client,
     and keeping `max_num_clients` rows chosen at random (in client order) beyond that."""
     leaf_types = types.tensor_leaves(metrics_t)
@@ -138,15 +139,14 @@ def build_personalization_eval(
     data_t = types.SequenceType(model.input_spec)
     input_t = types.to_type({"train_data": data_t, "test_data": data_t})
     local_eval = evaluation.build_local_evaluation(model)
-    stats_t = local_eval.type_signature.result
-
-    @jax_backend.jax_computation(stats_t)
-    def finalize(stats):
-        return metrics_lib.finalize_stats(model.metrics, stats)
-
+    finalize = evaluation.build_finalize(model, local_eval.type_signature.result)
     metrics_t = finalize.type_signature.result
 
-    def personalize(name: str, strategy: Any, weights: Any, train_data: Any, test_data: Any) -> Any:
+    def personalize(
+        name: str, strategy: personalization.PersonalizationStrategy,
+        weights: templates.ClientValue, train_data: templates.ClientValue,
+        test_data: templates.ClientValue,
+    ) -> templates.ClientValue:
         @jax_backend.jax_computation(weights_t)
         def start(w):
             return strategy.initial_state(model, w)

@@ -23,14 +23,12 @@ drop the `h_k` weights and is refused.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import optax
 
 from fedlang import aggregators
-from fedlang.learning import client_works, optimizers, templates
+from fedlang.learning import client_works, model_update_aggregator, optimizers, templates
 from fedlang.learning import metrics as metrics_lib
 from fedlang.learning.algorithms import common
 from fedlang.learning.algorithms.fed_avg import SERVER_SGD, ModelFn
@@ -55,18 +53,12 @@ def _q_ffl_client_work(
             x, y, mask = model_lib.batch_fields(batch)
             mask = model_lib.combine_masks(mask, padding)
 
-            def loss_fn(trainable: Any) -> Any:
-                preds, nt = model.apply(
-                    model_lib.ModelWeights(trainable, weights.non_trainable), x, training=True)
-                return model.loss(preds, y, mask), (preds, nt)
-
-            (loss, (preds, nt)), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights.trainable)
+            new, new_opt_state, loss, preds = client_works.train_step(
+                model, opt, weights, opt_state, x, y, mask)
             # F_k(w^t): the loss of the round's starting weights on the same examples.
             start_preds, _ = model.apply(w0, x, training=False)
             n = jnp.sum(mask)
             start_loss_sum = start_loss_sum + model.loss(start_preds, y, mask) * n
-            updates, new_opt_state = opt.update(grads, opt_state, weights.trainable)
-            new = model_lib.ModelWeights(optax.apply_updates(weights.trainable, updates), nt)
             stats = metrics_lib.accumulate_stats(metrics, stats, loss, preds, y, mask)
             new, new_opt_state = jax.tree.map(
                 lambda a, b: jnp.where(n > 0, a, b), (new, new_opt_state), (weights, opt_state))
@@ -97,11 +89,11 @@ def build_q_fed_avg(
     model_fn: ModelFn,
     q: float,
     client_learning_rate: float,
-    server_optimizer: Any = SERVER_SGD,
+    server_optimizer: optimizers.Optimizer = SERVER_SGD,
     *,
     lipschitz: float | None = None,
     model_distributor: templates.DistributionProcess | None = None,
-    model_aggregator: Any = None,
+    model_aggregator: model_update_aggregator.AggregationFactory | None = None,
     seed: int = 0,
 ) -> templates.LearningProcess:
     """q-FedAvg (module docstring): fair federated learning, `q = 0` being FedAvg's

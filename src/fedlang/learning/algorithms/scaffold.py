@@ -25,7 +25,7 @@ steps, as in the paper's per-client `K` when data sizes differ.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ from fedlang.aggregators import tools
 from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import operators, tracing, types
 from fedlang.core import processes as core_processes
-from fedlang.learning import client_works, templates
+from fedlang.learning import client_works, model_update_aggregator, templates
 from fedlang.learning import metrics as metrics_lib
 from fedlang.learning.algorithms import common
 from fedlang.learning.algorithms.fed_avg import ModelFn
@@ -65,11 +65,7 @@ def _scaffold_client_work(
             xs, ys, mask = model_lib.batch_fields(batch)
             mask = model_lib.combine_masks(mask, padding)
 
-            def loss_fn(trainable: Any) -> Any:
-                preds, nt = model.apply(
-                    model_lib.ModelWeights(trainable, weights.non_trainable), xs, training=True)
-                return model.loss(preds, ys, mask), (preds, nt)
-
+            loss_fn = client_works.train_loss(model, weights.non_trainable, xs, ys, mask)
             (loss, (preds, nt)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
                 weights.trainable)
             trained = jax.tree.map(lambda w, g, d: w - lr * (g + d),
@@ -96,10 +92,7 @@ def _scaffold_client_work(
         out["client_state"] = jax.tree.map(lambda a, b: jnp.where(ok, a, b), c_new, c_i)
         return out
 
-    @jax_backend.jax_computation(client_update.type_signature.result)
-    def to_result(out):
-        return templates.StatefulClientResult(
-            out["update"], out["update_weight"], out["non_trainable"], out["client_state"])
+    to_result = client_works.build_to_result(client_update.type_signature.result)
 
     @jax_backend.jax_computation(server_state_t, trainable_t)
     def update_control_variate(state, delta_sum):
@@ -143,7 +136,7 @@ def build_scaffold(
     total_clients: int,
     client_weighting: str = "uniform",
     model_distributor: templates.DistributionProcess | None = None,
-    model_aggregator: Any = None,
+    model_aggregator: model_update_aggregator.AggregationFactory | None = None,
     seed: int = 0,
 ) -> templates.LearningProcess:
     """SCAFFOLD with option II control variates (see the module docstring).

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
+import jax
 
 from fedlang.aggregators import tools
 from fedlang.learning import metrics as metrics_lib
@@ -22,7 +23,8 @@ class FlaxModel(model_lib.Model):
     """A fedlang model around a Flax Linen module (see `from_flax`)."""
 
     def __init__(
-        self, module: nn.Module, loss_fn: Callable[[Any, Any], Any], input_spec: Any,
+        self, module: nn.Module, loss_fn: Callable[[model_lib.Predictions, Any], Any],
+        input_spec: Any,
         metrics: Any = (), train_argument: str | None = "auto",
     ):
         if not isinstance(module, nn.Module):
@@ -41,7 +43,7 @@ class FlaxModel(model_lib.Model):
     def _kwargs(self, training: bool) -> dict[str, Any]:
         return {} if self._train_arg is None else {self._train_arg: training}
 
-    def initial_weights(self, rng: Any) -> model_lib.ModelWeights:
+    def initial_weights(self, rng: jax.Array) -> model_lib.ModelWeights:
         x = tools.zeros(model_lib.x_type(self.input_spec), unknown_dim=1)  # to run init
         variables = dict(self.module.init(rng, x, **self._kwargs(False)))
         params = variables.pop("params", {})
@@ -49,7 +51,8 @@ class FlaxModel(model_lib.Model):
             model_lib._canonical(params), model_lib._canonical(dict(sorted(variables.items())))
         )
 
-    def apply(self, weights: model_lib.ModelWeights, x: Any, training: bool) -> tuple[Any, Any]:
+    def apply(self, weights: model_lib.ModelWeights, x: Any,
+              training: bool) -> tuple[model_lib.Predictions, model_lib.Params]:
         nt = dict(weights.non_trainable) if weights.non_trainable else {}
         variables = {"params": weights.trainable, **nt}
         if training and nt:
@@ -59,12 +62,14 @@ class FlaxModel(model_lib.Model):
             return preds, model_lib._canonical({**nt, **dict(updates)})
         return self.module.apply(variables, x, **self._kwargs(training)), weights.non_trainable
 
-    def loss(self, predictions: Any, y: Any, mask: Any = None) -> Any:
+    def loss(self, predictions: model_lib.Predictions, y: Any,
+             mask: model_lib.Mask | None = None) -> jax.Array:
         return model_lib.masked_mean_loss(self._loss_fn, predictions, y, mask)
 
 
 def from_flax(
-    module: nn.Module, loss_fn: Callable[[Any, Any], Any], input_spec: Any, metrics: Any = (),
+    module: nn.Module, loss_fn: Callable[[model_lib.Predictions, Any], Any], input_spec: Any,
+    metrics: Any = (),
     *, train_argument: str | None = "auto",
 ) -> FlaxModel:
     """A fedlang model from a Flax Linen module.

@@ -45,18 +45,19 @@ class KerasMetric(metrics_lib.Metric):
         self.name = metric.name
         self._zero = [np.zeros(v.shape, v.dtype) for v in metric.variables]
 
-    def zero(self) -> Any:
+    def zero(self) -> metrics_lib.Stats:
         return [jnp.asarray(z) for z in self._zero]
 
-    def accumulate(self, stats: Any, predictions: Any, y: Any, mask: Any) -> Any:
+    def accumulate(self, stats: metrics_lib.Stats, predictions: model_lib.Predictions, y: Any,
+                   mask: model_lib.Mask) -> metrics_lib.Stats:
         weights = _per_element(mask, y)
         return list(self.metric.stateless_update_state(stats, y, predictions, sample_weight=weights))
 
-    def finalize(self, stats: Any) -> Any:
+    def finalize(self, stats: metrics_lib.Stats) -> Any:
         return self.metric.stateless_result(stats)
 
 
-def _per_element(mask: Any, y: Any) -> Any:
+def _per_element(mask: model_lib.Mask, y: Any) -> jax.Array:
     """The per-example mask broadcast to the labels' shape (e.g. one label per token)."""
     y0 = jax.tree.leaves(y)[0]
     return jnp.broadcast_to(jnp.reshape(mask, (-1,) + (1,) * (y0.ndim - 1)), y0.shape)
@@ -161,20 +162,22 @@ class KerasModel(model_lib.Model):
         self.metrics = _metrics(metrics)
         self._initial = weights_from_keras_model(keras_model)
 
-    def initial_weights(self, rng: Any) -> model_lib.ModelWeights:
+    def initial_weights(self, rng: jax.Array) -> model_lib.ModelWeights:
         del rng  # the Keras model's own (e.g. pretrained) weights
         return model_lib.ModelWeights(
             [jnp.asarray(x) for x in self._initial.trainable],
             [jnp.asarray(x) for x in self._initial.non_trainable],
         )
 
-    def apply(self, weights: model_lib.ModelWeights, x: Any, training: bool) -> tuple[Any, Any]:
+    def apply(self, weights: model_lib.ModelWeights, x: Any,
+              training: bool) -> tuple[model_lib.Predictions, model_lib.Params]:
         preds, nt = self.keras_model.stateless_call(
             list(weights.trainable), list(weights.non_trainable), x, training=training
         )
         return preds, list(nt)
 
-    def loss(self, predictions: Any, y: Any, mask: Any = None) -> Any:
+    def loss(self, predictions: model_lib.Predictions, y: Any,
+             mask: model_lib.Mask | None = None) -> jax.Array:
         if mask is None:
             return jnp.asarray(self._loss(y, predictions), jnp.float32)
         if isinstance(self._loss, keras.losses.Loss):

@@ -18,6 +18,21 @@ import numpy as np
 from fedlang.core import tff_names, types
 from fedlang.learning import metrics as metrics_lib
 
+# Names for the pytrees that models and algorithms pass around, as Optax names its
+# `Params` and `Updates`: aliases of Any, for the reader.
+
+# A pytree of arrays: one part of a model's weights (`ModelWeights.trainable` or
+# `.non_trainable`), or a tree of the same structure.
+Params = Any
+# One batch of a client's data: a dict or namedtuple with fields `x`, `y` and optionally
+# `mask`, or a pair `(x, y)` (see `batch_fields`).
+Batch = Any
+# float32, one entry per example of a batch: 1 where the example counts, 0 where it does
+# not (the runtime's padding, or the batch's own `mask`).
+Mask = Any
+# What `Model.apply` returns for a batch's `x`, and what the loss and metrics take.
+Predictions = Any
+
 
 class ModelWeights(NamedTuple):
     """A model's weights: `trainable` (changed by the optimizer) and `non_trainable`.
@@ -26,8 +41,8 @@ class ModelWeights(NamedTuple):
     random-number states); either part may be any pytree, `()` when empty.
     """
 
-    trainable: Any
-    non_trainable: Any = ()
+    trainable: Params
+    non_trainable: Params = ()
 
     def __getattr__(self, name: str) -> Any:
         # Called only when normal lookup fails: TFF's spellings get fedlang's name.
@@ -37,7 +52,7 @@ class ModelWeights(NamedTuple):
         })
 
 
-def batch_fields(batch: Any) -> tuple[Any, Any, Any]:
+def batch_fields(batch: Batch) -> tuple[Any, Any, Mask | None]:
     """`(x, y, mask)` of a batch, in the forms Keras accepts.
 
     A batch is a dict or namedtuple with fields `x`, `y` and an optional per-example
@@ -66,7 +81,7 @@ def batch_fields(batch: Any) -> tuple[Any, Any, Any]:
     return x, y, None if mask is None else jnp.asarray(mask).astype(jnp.float32)
 
 
-def combine_masks(batch_mask: Any, padding_mask: Any) -> Any:
+def combine_masks(batch_mask: Mask | None, padding_mask: Mask) -> Mask:
     """The examples that count: the runtime's padding mask (from `dataset.reduce(...,
     masked=True)`) times the batch's own `mask` field when it has one."""
     if batch_mask is None:
@@ -88,15 +103,15 @@ class Model(abc.ABC):
     metrics: tuple[metrics_lib.Metric, ...]
 
     @abc.abstractmethod
-    def initial_weights(self, rng: Any) -> ModelWeights:
+    def initial_weights(self, rng: jax.Array) -> ModelWeights:
         """Fresh weights from a JAX PRNG key (pure; called under tracing)."""
 
     @abc.abstractmethod
-    def apply(self, weights: ModelWeights, x: Any, training: bool) -> tuple[Any, Any]:
+    def apply(self, weights: ModelWeights, x: Any, training: bool) -> tuple[Predictions, Params]:
         """`(predictions, new_non_trainable)` for inputs `x` (pure JAX)."""
 
     @abc.abstractmethod
-    def loss(self, predictions: Any, y: Any, mask: Any = None) -> Any:
+    def loss(self, predictions: Predictions, y: Any, mask: Mask | None = None) -> jax.Array:
         """The mean loss over the batch, or over the examples where `mask` is 1 (a scalar)."""
 
     def weights_type(self) -> types.Type:
@@ -105,7 +120,7 @@ class Model(abc.ABC):
         return types.to_type(_canonical(shapes))
 
 
-def _canonical(tree: Any) -> Any:
+def _canonical(tree: Params) -> Params:
     """Dicts with sorted keys, as every JAX tree operation returns them."""
     return jax.tree.map(lambda x: x, tree)
 
@@ -182,9 +197,9 @@ class FunctionalModel(Model):
 
     def __init__(
         self,
-        init_fn: Callable[[Any], Any],
-        apply_fn: Callable[[Any, Any], Any],
-        loss_fn: Callable[[Any, Any], Any],
+        init_fn: Callable[[jax.Array], Params | ModelWeights],
+        apply_fn: Callable[[Params | ModelWeights, Any], Predictions],
+        loss_fn: Callable[[Predictions, Any], Any],
         input_spec: Any,
         metrics: Sequence[Any] | Any = (),
     ):
@@ -196,25 +211,27 @@ class FunctionalModel(Model):
         self.metrics = metrics_lib.as_metrics(metrics)
         self._returns_model_weights: bool | None = None
 
-    def initial_weights(self, rng: Any) -> ModelWeights:
+    def initial_weights(self, rng: jax.Array) -> ModelWeights:
         params = self._init_fn(rng)
         self._returns_model_weights = isinstance(params, ModelWeights)
         if isinstance(params, ModelWeights):
             return ModelWeights(_canonical(params.trainable), _canonical(params.non_trainable))
         return ModelWeights(_canonical(params), ())
 
-    def apply(self, weights: ModelWeights, x: Any, training: bool) -> tuple[Any, Any]:
+    def apply(self, weights: ModelWeights, x: Any, training: bool) -> tuple[Predictions, Params]:
         del training
         if self._returns_model_weights is None:
             self.weights_type()
         params = weights if self._returns_model_weights else weights.trainable
         return self._apply_fn(params, x), weights.non_trainable
 
-    def loss(self, predictions: Any, y: Any, mask: Any = None) -> Any:
+    def loss(self, predictions: Predictions, y: Any, mask: Mask | None = None) -> jax.Array:
         return masked_mean_loss(self._loss_fn, predictions, y, mask)
 
 
-def masked_mean_loss(loss_fn: Callable[[Any, Any], Any], predictions: Any, y: Any, mask: Any) -> Any:
+def masked_mean_loss(
+    loss_fn: Callable[[Predictions, Any], Any], predictions: Predictions, y: Any, mask: Mask | None
+) -> jax.Array:
     """`loss_fn(predictions, y)` (a batch mean) restricted to the examples where `mask` is 1.
 
     Without a mask this is `loss_fn` itself; with one, the loss is taken per example

@@ -55,7 +55,7 @@ def _check_split(split: DatasetSplit) -> DatasetSplit:
 class _Partition:
     """Local entries of one weights container (a dict, list or tuple)."""
 
-    def __init__(self, container: Any, local: Sequence[Hashable], what: str):
+    def __init__(self, container: model_lib.Params, local: Sequence[Hashable], what: str):
         self.local = tuple(local)
         self.sequence_type: type = tuple
         if isinstance(container, dict):
@@ -77,7 +77,7 @@ class _Partition:
         self.names = names
         self.global_names = [k for k in names if k not in self.local]
 
-    def split(self, container: Any) -> tuple[Any, Any]:
+    def split(self, container: model_lib.Params) -> tuple[model_lib.Params, model_lib.Params]:
         if self.kind == "dict":
             return ({k: container[k] for k in self.global_names},
                     {k: container[k] for k in self.local})
@@ -85,7 +85,9 @@ class _Partition:
         seq = self.sequence_type
         return seq(items[i] for i in self.global_names), seq(items[i] for i in self.local)
 
-    def merge(self, global_part: Any, local_part: Any) -> Any:
+    def merge(
+        self, global_part: model_lib.Params, local_part: model_lib.Params
+    ) -> model_lib.Params:
         if self.kind == "dict":
             return {**global_part, **local_part}
         by_index = dict(zip(self.global_names, global_part))
@@ -146,11 +148,14 @@ class ReconstructionModel:
         gn, ln = self._non_trainable.split(weights.non_trainable)
         return model_lib.ModelWeights(gt, gn), model_lib.ModelWeights(lt, ln)
 
-    def split_non_trainable(self, non_trainable: Any) -> tuple[Any, Any]:
+    def split_non_trainable(
+        self, non_trainable: model_lib.Params
+    ) -> tuple[model_lib.Params, model_lib.Params]:
         """`(global, local)` parts of the non-trainable weights (what `apply` returns)."""
         return self._non_trainable.split(non_trainable)
 
-    def merge(self, global_weights: Any, local_weights: Any) -> model_lib.ModelWeights:
+    def merge(self, global_weights: model_lib.ModelWeights,
+              local_weights: model_lib.ModelWeights) -> model_lib.ModelWeights:
         """The full weights from their global and local parts."""
         return model_lib.ModelWeights(
             self._trainable.merge(global_weights.trainable, local_weights.trainable),
