@@ -25,17 +25,25 @@ from fedlang.deploy.store import rounds as rounds_lib
 router = fastapi.APIRouter(prefix=protocol.API)
 
 
-class ReportUploads:
-    """A folded round's uploads, as the intake takes them: one per holder of seats, checked
-    by the round's `folding.Folder` and folded with the others waiting
-    (`shards.ReportShards`): a client's report (one seat), or an edge's partial aggregate
-    (`Folder.check_partial`: its clients' reports folded together, standing for them)."""
+class RoundUploads:
+    """What the uploads to a round share: the round, found in the uploader's population,
+    and where a refusal is counted (the round's `late` or `refused`)."""
 
     def __init__(self, server: state_lib.ServerState):
         self.server = server
 
     def target(self, task_id: int, uploader: auth_lib.Uploader) -> rounds_lib.Round:
         return intake.visible(self.server.rounds.round(task_id), uploader, "round")
+
+    def count_refusal(self, reason: str, target: rounds_lib.Round) -> None:
+        self.server.rounds.count_refusal(reason, target.id)
+
+
+class ReportUploads(RoundUploads):
+    """A folded round's uploads, as the intake takes them: one per holder of seats, checked
+    by the round's `folding.Folder` and folded with the others waiting
+    (`shards.ReportShards`): a client's report (one seat), or an edge's partial aggregate
+    (`Folder.check_partial`: its clients' reports folded together, standing for them)."""
 
     def limit(self, target: rounds_lib.Round, upload: intake.Upload) -> int:
         folder = self.server.verified.folder(target.plan)
@@ -66,9 +74,6 @@ class ReportUploads:
         return self.server.shards.submit(
             target.id, upload.client, upload.digest, len(upload.body), upload.checked
         )
-
-    def count_refusal(self, reason: str, target: rounds_lib.Round) -> None:
-        self.server.rounds.count_refusal(reason, target.id)
 
 
 def create(server: state_lib.ServerState, body: schemas.RoundIn) -> rounds_lib.Round:

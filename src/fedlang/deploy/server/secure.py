@@ -20,8 +20,7 @@ import fastapi
 
 from fedlang.deploy import protocol, secagg
 from fedlang.deploy.server import auth as auth_lib
-from fedlang.deploy.server import intake, routing, schemas
-from fedlang.deploy.server import state as state_lib
+from fedlang.deploy.server import intake, rounds, routing, schemas
 from fedlang.deploy.server.routing import State
 from fedlang.deploy.store import rounds as rounds_lib
 
@@ -29,16 +28,10 @@ StagePath = Annotated[int, fastapi.Path(ge=1, le=4, description="The stage answe
 router = fastapi.APIRouter(prefix=protocol.API)
 
 
-class AnswerUploads:
+class AnswerUploads(rounds.RoundUploads):
     """A secure round's answers, as the intake takes them: one per participant and
     stage; stage 3's carries the plain report, checked by the round's folder and folded
     with the masked input, or neither."""
-
-    def __init__(self, server: state_lib.ServerState):
-        self.server = server
-
-    def target(self, task_id: int, uploader: auth_lib.Uploader) -> rounds_lib.Round:
-        return intake.visible(self.server.rounds.round(task_id), uploader, "round")
 
     def limit(self, target: rounds_lib.Round, upload: intake.Upload) -> int:
         folder = self.server.verified.folder(target.plan)
@@ -71,8 +64,6 @@ class AnswerUploads:
             report,
         )
 
-    def count_refusal(self, reason: str, target: rounds_lib.Round) -> None:
-        self.server.rounds.count_refusal(reason, target.id)
 
 
 @router.get("/rounds/{round_id}/secagg", tags=["client"])
