@@ -69,7 +69,7 @@ import threading
 import time
 from typing import Any, Protocol
 
-from fedlang.core import signing
+from fedlang.core import signing, types
 from fedlang.deploy import protocol
 from fedlang.deploy.client import connection
 from fedlang.deploy.plans import buffered as buffered_plan
@@ -164,6 +164,14 @@ def _sign_here(edge: Edge, signed: bytes, key: bytes) -> tuple[bytes, str]:
     return plan, edge.state.store.put_blob(signing.sign(plan, edge.state.key))
 
 
+def _copy_value(edge: Edge, h: str, t: types.Type, what: str) -> str:
+    """The root's blob `h` (a broadcast, a version's weights), checked to be a value of
+    type `t` (`what` it should be) and stored here; its hash."""
+    data = edge.link.blob(h)
+    folding.decode(data, t, None, what)
+    return edge.state.store.put_blob(data)
+
+
 class RoundMirror:
     """A root round (plain, or secure run by its edges) mirrored by a local round."""
 
@@ -177,9 +185,8 @@ class RoundMirror:
             return
         plan, local_plan = _sign_here(edge, edge.link.blob(joined["plan"]), key)
         folder = folding.Folder(plan)
-        broadcast = edge.link.blob(joined["broadcast"])
-        folding.decode(broadcast, folder.plan.broadcast_type, None, "the round's broadcast")
-        local_broadcast = edge.state.store.put_blob(broadcast)
+        local_broadcast = _copy_value(edge, joined["broadcast"], folder.plan.broadcast_type,
+                                      "the round's broadcast")
         left = float(joined["seconds_left"])
         margin = edge.forward_margin
         if margin is None:
@@ -267,8 +274,9 @@ class SessionMirror:
             edge.passed.add((Kind.BUFFERED, upstream))
             return
         plan, local_plan = _sign_here(edge, edge.link.blob(joined["plan"]), key)
-        weights = self._weights(edge, joined["broadcast"],
-                                buffered_plan.BufferedPlan.from_bytes(plan))
+        weights = _copy_value(edge, joined["broadcast"],
+                              buffered_plan.BufferedPlan.from_bytes(plan).weights_type,
+                              "the session's model weights")
         local = edge.state.sessions.create(
             edge.population or "", local_plan, weights, version=int(joined["version"]),
             buffer_size=int(joined["buffer_size"]), max_staleness=int(joined["max_staleness"]),
@@ -276,13 +284,6 @@ class SessionMirror:
             on_create=lambda tx, s: edge.mirrors.record(tx, Kind.BUFFERED, upstream, s.id))
         log.info("edge: session %s of the root is session %s here (version %s)",
                  upstream, local.id, joined["version"])
-
-    @staticmethod
-    def _weights(edge: Edge, h: str, plan: buffered_plan.BufferedPlan) -> str:
-        """The root's weights blob `h`, checked against the plan and stored here."""
-        data = edge.link.blob(h)
-        folding.decode(data, plan.weights_type, None, "the session's model weights")
-        return edge.state.store.put_blob(data)
 
     def step(self, edge: Edge, m: mirrors_lib.Mirror, task: Task | None) -> int:
         """Ends the local session with the root's; moves it to the root's version, if
@@ -296,7 +297,9 @@ class SessionMirror:
         local = sessions.session(m.local)
         if int(task["version"]) > local.version:
             plan = edge.state.verified.buffered(local.plan)
-            sessions.advance(m.local, int(task["version"]), self._weights(edge, task["broadcast"], plan))
+            weights = _copy_value(edge, task["broadcast"], plan.weights_type,
+                                  "the session's model weights")
+            sessions.advance(m.local, int(task["version"]), weights)
         m = edge.mirrors.sending(m, local.reports, int(task["buffer_size"]) - int(task["pending"]))
         if m.sending_through is None:
             return 0

@@ -67,7 +67,7 @@ class ReportUploads:
         if upload.uploader.holds_seats:
             return buffered_plan.max_batch_bytes(target.buffer_size,
                                                  self._report_limit(target)) + (1 << 20)
-        return self._report_limit(target) + (1 << 20)
+        return self.server.verified.buffered(target.plan).max_report_bytes + (1 << 20)
 
     def precheck(self, target: sessions_lib.Session, upload: intake.Upload) -> bool:
         if upload.uploader.holds_seats:
@@ -247,14 +247,11 @@ async def upload_batch(
     when its reports do not fit the buffer's free room (send it again after the next
     version). Reports staler than the session's maximum are counted as refused.
     Idempotent: the same bytes again change nothing; other bytes get 409."""
+    who = await concurrency.run_in_threadpool(auth_lib.edge, server, auth)
     new = await intake.take(server, request, auth, ReportUploads(server), session_id, batch,
-                            authenticate=auth_lib.edge)
-
-    def answer() -> sessions_lib.Batch:
-        (taken,) = server.sessions.batches(session_id, auth_lib.edge(server, auth).id, batch)
-        return taken
-
-    taken = await concurrency.run_in_threadpool(answer)
+                            authenticate=lambda *_: who)
+    (taken,) = await concurrency.run_in_threadpool(server.sessions.batches, session_id, who.id,
+                                                   batch)
     return schemas.BatchOut(session=session_id, batch=batch, accepted=taken.reports,
                             stale=taken.stale, replay=not new)
 

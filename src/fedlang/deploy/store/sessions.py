@@ -367,12 +367,7 @@ class Sessions:
             s = self._session(tx, session_id, lock=True)
             if self._admissible(tx, s, client_id, version, digest):
                 return False
-            tx.run(
-                "INSERT INTO buffered_reports (session, seq, client, version, staleness, digest,"
-                " size, data, accepted) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (s.id, s.reports + 1, client_id, version, s.version - version, digest,
-                 len(data), data, now),
-            )
+            _store_reports(tx, s, [(client_id, version, digest, data)], now)
             tx.run(
                 "UPDATE buffered_tasks SET state = ? WHERE session = ? AND client = ?"
                 " AND version = ?",
@@ -459,13 +454,8 @@ class Sessions:
                     f"found {s.buffer_size - s.pending} of {s.buffer_size}; send the batch "
                     "again after the next version."
                 )
-            tx.many(
-                "INSERT INTO buffered_reports (session, seq, client, version, staleness,"
-                " digest, size, data, accepted) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(s.id, seq, f"{client_id}/{batch}.{i}", version, s.version - version,
-                  report_digest, len(data), data, now)
-                 for seq, (i, (version, report_digest, data)) in enumerate(fresh, s.reports + 1)],
-            )
+            _store_reports(tx, s, [(f"{client_id}/{batch}.{i}", version, report_digest, data)
+                                   for i, (version, report_digest, data) in fresh], now)
             tx.run(
                 "UPDATE buffered_sessions SET reports = reports + ?,"
                 " refused_stale = refused_stale + ?, updated = ? WHERE id = ?",
@@ -552,3 +542,16 @@ class Sessions:
             "refused_stale": s.refused_stale,
             "staleness_histogram": {str(int(t)): int(n) for t, n in rows},
         }
+
+
+def _store_reports(tx: sql.Tx, s: Session, reports: Sequence[tuple[str, int, str, bytes]],
+                   now: float) -> None:
+    """Stores accepted `reports` of session `s` (its row read locked in `tx`), each
+    (client, version, digest, bytes), numbered after its last and with their staleness
+    against its version now."""
+    tx.many(
+        "INSERT INTO buffered_reports (session, seq, client, version, staleness, digest,"
+        " size, data, accepted) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [(s.id, seq, client, version, s.version - version, digest, len(data), data, now)
+         for seq, (client, version, digest, data) in enumerate(reports, s.reports + 1)],
+    )
