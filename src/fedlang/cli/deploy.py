@@ -101,6 +101,12 @@ def serve(
     workers: Annotated[int | None, typer.Option(
         metavar="N", help="Serve from N worker processes on one PostgreSQL database (one port; a worker that dies is replaced).")]
     = None,
+    max_blob_bytes: Annotated[str, typer.Option(
+        metavar="SIZE", help="The largest blob (a plan, a model) the driver may upload, e.g. 4G or 1500M (more get 413).")]
+    = "1G",
+    max_report_bytes: Annotated[str, typer.Option(
+        metavar="SIZE", help="The largest upload (a report, an edge's partial aggregate), e.g. 4G (more get 413; a round whose reports may be larger is refused).")]
+    = "1G",
 ) -> None:
     """Serve a task store: clients check in for tasks; the driver opens rounds.
 
@@ -126,14 +132,16 @@ def serve(
 
             temporary = tempfile.TemporaryDirectory(prefix="fedlang-edge-")
             db = str(pathlib.Path(temporary.name) / "edge.db")
-        try:  # (a pace or limits that cannot be kept: ValueError)
+        try:  # (a pace, limits or sizes that cannot be kept: ValueError)
+            sizes = {"max_blob_bytes": parse_size(max_blob_bytes, "--max-blob-bytes"),
+                     "max_report_bytes": parse_size(max_report_bytes, "--max-report-bytes")}
             options: dict[str, Any] = dict(
                 pace=store_lib.Pace(checkins_per_second, min_retry, max_retry),
                 credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile,
                 ssl_certfile=ssl_certfile, browser=browser, demo_page=demo_page,
                 limits=server_lib.Limits(header_timeout, body_timeout, keep_alive,
                                          max_connections, client_rate, client_burst,
-                                         enroll_rate, enroll_burst),
+                                         enroll_rate, enroll_burst, **sizes),
                 # the defaults keep uvicorn's own logging, as before --log-format
                 log_format=None if (log_format, log_level) == ("text", "warning") else log_format,
                 log_level=log_level.lower(),
@@ -169,6 +177,28 @@ def serve(
                 temporary.cleanup()
         if stopped:
             _say_stopped(stopped[0], db, ephemeral, log_format)
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """Bytes from a size as a user writes it: `1048576`, `512K`, `1500M`, `4G`, `4GiB`
+    (binary units; a trailing `B` or `iB` is allowed).
+
+    Raises:
+      ValueError: naming `flag` and what was found.
+    """
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = (t[:-1], t[-1]) if t[-1:] in ("K", "M", "G", "T") else (t, "")
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or not number:
+        raise ValueError(f"Expected {flag} as a size in bytes such as 4G, 1500M or 1048576, "
+                         f"found {text!r}.")
+    return int(value * _UNITS[unit])
 
 
 def _check_roles(upstream: str | None, upstream_token: str | None, ephemeral: bool,

@@ -7,13 +7,20 @@ import contextlib
 import select
 import socket
 import time
+import types
 
 import httpx
+import numpy as np
 import pytest
 
-from fedlang.deploy.server import serve
+import fedlang as fl
+from fedlang import deploy
+from fedlang.cli.deploy import parse_size
+from fedlang.deploy.server import intake, serve
 
 from ...cli._run import fedlang, one_sentence_error
+from ..conftest import capture
+from .conftest import bearer
 
 LIMITS = ["--header-timeout", "1", "--body-timeout", "1", "--keep-alive", "1",
           "--max-connections", "8"]
@@ -117,3 +124,71 @@ def test_limits_are_checked():
         serve.Limits(max_connections=0)
     one_sentence_error(fedlang("serve", "--db", ":memory:", "--body-timeout", "-1"), 1,
                        "body_timeout > 0")
+
+
+# -- sizes: --max-report-bytes, --max-blob-bytes (issue 40, item 4)
+
+_WIDE = 40_000  # float32 elements of each client's value: a report of 160 KB or more
+
+
+@fl.jax_computation(fl.SequenceType(fl.TensorType(np.float32, [_WIDE])))
+def _wide_total(ds):
+    return ds.reduce(np.zeros(_WIDE, np.float32), lambda s, x: s + x)
+
+
+@fl.federated_computation(fl.type_at_clients(fl.SequenceType(fl.TensorType(np.float32, [_WIDE]))))
+def _wide_sum(data):
+    return fl.federated_sum(fl.federated_map(_wide_total, data))
+
+
+def _open(http, admin, plan, broadcast):
+    """(the answer to opening a round of `plan` for population `pop`, its token)."""
+    blobs = [http.post("/v1/admin/blobs", content=b, headers=admin).json()["hash"]
+             for b in (plan.to_bytes(), broadcast)]
+    token = http.post("/v1/admin/populations", json={"name": "pop"}, headers=admin).json()["token"]
+    return http.post("/v1/admin/rounds", headers=admin, json={
+        "population": "pop", "plan": blobs[0], "broadcast": blobs[1], "target": 1,
+        "deadline": 600}), token
+
+
+def test_a_round_whose_reports_exceed_max_report_bytes_is_refused_when_opened(server_factory):
+    server = server_factory(limits=serve.Limits(max_report_bytes=100 << 10))
+    plan, broadcast = capture(_wide_sum, deploy.client_data("train"))
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r, _ = _open(http, bearer(server.admin_token), plan, broadcast)
+    assert r.status_code == 400 and r.json()["reason"] == "too_large", r.text
+    assert "--max-report-bytes" in r.json()["detail"] and str(100 << 10) in r.json()["detail"]
+
+
+def test_an_upload_over_the_limit_is_refused_before_its_body_is_read_naming_what_sets_it(
+        server_factory, sum_round):
+    server = server_factory()
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r, token = _open(http, bearer(server.admin_token), *sum_round)
+        round_id = r.json()["id"]
+        client = http.post("/v1/populations/pop/enroll", headers=bearer(token)).json()
+    with _connect(server) as s:  # declares 10 GB, sends none of it
+        s.sendall((f"PUT /v1/rounds/{round_id}/report HTTP/1.1\r\nHost: x\r\n"
+                   f"Authorization: Bearer {client['credential']}\r\n"
+                   f"Content-Type: application/octet-stream\r\nContent-Length: {10 ** 10}"
+                   "\r\n\r\n").encode())
+        reply = _until_closed(s, reset_ok=True)
+    assert reply.split()[1] == b"413", reply[:300]
+    assert b"what the task's plan lets it hold" in reply and str(10 ** 10).encode() in reply
+
+
+def test_the_server_limit_is_named_when_it_is_the_smaller():
+    state = types.SimpleNamespace(max_report_bytes=1000)
+    assert intake.upload_limit(state, 5000) == intake.Limit(
+        1000, "fedlang serve --max-report-bytes raises it")
+    assert intake.upload_limit(state, 500).most == 500
+    assert "--max-report-bytes" in str(intake.upload_limit(state, 5000).refuse("2000 bytes"))
+
+
+def test_serve_reads_sizes_and_names_a_bad_one():
+    assert parse_size("4G", "x") == 4 << 30 and parse_size("1500M", "x") == 1500 << 20
+    assert parse_size("512KiB", "x") == 512 << 10 and parse_size("65536", "x") == 65536
+    one_sentence_error(fedlang("serve", "--db", ":memory:", "--max-blob-bytes", "lots"), 1,
+                       "--max-blob-bytes as a size")
+    one_sentence_error(fedlang("serve", "--db", ":memory:", "--max-report-bytes", "1K"), 1,
+                       "max_report_bytes >= 64 KiB")

@@ -11,7 +11,8 @@ uploads, which stand for its clients' reports (a round's partial aggregate, `PUT
    client by its credential, an edge by its token (`auth.Uploader`);
 2. find the task in the uploader's population, its plan, and the largest body it can
    take (404 for no such task, or one of another population: nothing read, not counted);
-3. read the body, refused (413) as soon as it exceeds that limit;
+3. read the body, refused (413) as soon as it exceeds that limit or the server's limit
+   on every upload (`fedlang serve --max-report-bytes`), the refusal naming which;
 4. admit it (`store.admission`: a replay is accepted again and changes nothing; 409
    another upload, 403 not assigned, 410 closed, and the mode's own refusals), before
    anything is decoded;
@@ -142,20 +143,43 @@ def visible(task: TaskT, who: auth_lib.Uploader, what: str) -> TaskT:
     return task
 
 
-async def read_limited(request: fastapi.Request, limit: int) -> bytes:
-    """The request body, refused before it is read whole if it exceeds `limit` bytes.
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """The largest body an upload may have, and what sets it (said in a refusal)."""
+
+    most: int
+    source: str
+
+    def refuse(self, found: str) -> protocol.TooLarge:
+        return protocol.TooLarge(
+            f"Expected an upload of at most {self.most} bytes ({self.source}), found {found}.")
+
+
+def upload_limit(server: state_lib.ServerState, task_limit: int) -> Limit:
+    """The smaller of what a task's plan lets an upload hold and the server's limit on
+    every upload (`fedlang serve --max-report-bytes`)."""
+    if server.max_report_bytes < task_limit:
+        return Limit(server.max_report_bytes, "fedlang serve --max-report-bytes raises it")
+    return Limit(task_limit, "what the task's plan lets it hold")
+
+
+async def read_limited(request: fastapi.Request, limit: int | Limit) -> bytes:
+    """The request body, refused before it is read whole if it exceeds `limit` bytes:
+    before reading anything when its declared length does.
 
     Raises:
-      TooLarge: a declared or actual length above `limit`.
+      TooLarge: a declared or actual length above `limit`, naming what sets it.
     """
+    if not isinstance(limit, Limit):
+        limit = Limit(limit, "this route's limit")
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise protocol.TooLarge(f"Expected at most {limit} bytes, found {declared}.")
+    if declared is not None and declared.isdigit() and int(declared) > limit.most:
+        raise limit.refuse(f"{declared} bytes")
     parts, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
-            raise protocol.TooLarge(f"Expected at most {limit} bytes, found more.")
+        if size > limit.most:
+            raise limit.refuse("more")
         parts.append(chunk)
     return b"".join(parts)
 
@@ -202,14 +226,14 @@ def _find(
     uploads: Uploads[T],
     task_id: int,
     slot: int,
-) -> tuple[T, Upload, int]:
+) -> tuple[T, Upload, Limit]:
     """(task, the upload without its body, its limit), read in one transaction
     (`Store.reading`)."""
     with server.store.reading():
         uploader = who(server, auth)
         target = uploads.target(task_id, uploader)
     upload = Upload(uploader, slot)
-    return target, upload, uploads.limit(target, upload)
+    return target, upload, upload_limit(server, uploads.limit(target, upload))
 
 
 def _admit_check_accept(

@@ -16,15 +16,19 @@ from typing import Any
 from fedlang.core import serialization, signing
 from fedlang.deploy import protocol
 from fedlang.deploy.plans import buffered as buffered_plan
+from fedlang.deploy.plans import folding
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.deploy.server import state as state_lib
 
-# What a plan blob must be, by the kind of task it opens: how to read it, and its name.
-_PLANS: dict[str, tuple[Callable[[bytes], Any], str]] = {
+# What a plan blob must be, by the kind of task it opens: how to read it, its name, and
+# the largest report it lets a client upload.
+_PLANS: dict[str, tuple[Callable[[bytes], Any], str, Callable[[Any], int]]] = {
     protocol.TaskKind.AGGREGATE: (plan_lib.RoundPlan.from_bytes,
-                                  "a round plan (RoundPlan.to_bytes())"),
+                                  "a round plan (RoundPlan.to_bytes())",
+                                  lambda p: folding.Folder(p).max_report_bytes),
     protocol.TaskKind.BUFFERED: (buffered_plan.BufferedPlan.from_bytes,
-                                 "a buffered plan (BufferedPlan.to_bytes())"),
+                                 "a buffered plan (BufferedPlan.to_bytes())",
+                                 lambda p: p.max_report_bytes),
 }
 
 
@@ -37,14 +41,21 @@ def read_plan(
 
     Raises:
       NotFound: a blob that is not stored.
-      BadRequest: a blob that is not a plan of this kind, or a value of another type.
+      BadRequest: a blob that is not a plan of this kind, a value of another type, or a
+        plan whose clients' reports could exceed the server's limit on every upload
+        (`too_large`: refused now, not after its clients trained).
     """
-    read, name = _PLANS[kind]
+    read, name, max_report = _PLANS[kind]
     data = server.store.get_blob(plan)
     try:
         parsed = read(data)
     except serialization.SerializationError as e:
         raise protocol.BadRequest(f"Expected blob {plan} to be {name}: {e}") from e
+    if (most := max_report(parsed)) > server.max_report_bytes:
+        raise protocol.BadRequest(
+            f"Expected a plan whose reports fit the server's limit of {server.max_report_bytes} "
+            f"bytes per upload, found one whose reports may hold {most} bytes; start the "
+            f"server with a larger fedlang serve --max-report-bytes.", reason="too_large")
     check_value(server, parsed, value, what)
     return parsed, data
 

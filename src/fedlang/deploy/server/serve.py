@@ -148,7 +148,7 @@ def load_key(key: Any, store: store_lib.Store, db: str | os.PathLike[str] = "") 
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What one connection may hold of the server, and how long (`fedlang serve`'s
-    `--header-timeout`, `--body-timeout`, `--keep-alive`, `--max-connections`).
+    `--header-timeout`, `--body-timeout`, `--keep-alive`, `--max-connections`, ...).
 
     Attributes:
       header_timeout: seconds from a connection's first byte (or the end of its last
@@ -164,6 +164,12 @@ class Limits:
         clients wait out); 0 turns the limit off.
       enroll_rate, enroll_burst: failed enrollments per second one address may make on
         average, and at once (then 429, even with a good token); 0 turns it off.
+      max_blob_bytes: the largest blob (a plan, a broadcast value) the admin may upload
+        (`--max-blob-bytes`; more get 413 before the body is read).
+      max_report_bytes: the largest upload of any kind (a report, an edge's partial
+        aggregate or batch; `--max-report-bytes`): a round whose plan lets clients report
+        more is refused when it is created, and a larger upload gets 413 before its
+        body is read.
     """
 
     header_timeout: float = 10.0
@@ -174,8 +180,13 @@ class Limits:
     client_burst: int = 200
     enroll_rate: float = 1.0
     enroll_burst: int = 20
+    max_blob_bytes: int = 1 << 30
+    max_report_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
+        for name in ("max_blob_bytes", "max_report_bytes"):
+            if getattr(self, name) < 1 << 16:
+                raise ValueError(f"Expected {name} >= 64 KiB, found {getattr(self, name)} bytes.")
         for name in ("header_timeout", "body_timeout", "keep_alive"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Expected {name} > 0 seconds, found {getattr(self, name)}.")
@@ -318,7 +329,6 @@ class Server:
         *,
         pace: store_lib.Pace | None = None,
         credential_ttl: float = 30 * 86400,
-        max_blob_bytes: int = 1 << 30,
         ssl_keyfile: str | None = None,
         ssl_certfile: str | None = None,
         clock: Callable[[], float] = time.time,
@@ -349,7 +359,8 @@ class Server:
             self.limits = limits
             self.app_state = state_lib.ServerState(
                 self.store, load_key(key, self.store, db), token_hash, credential_ttl,
-                max_blob_bytes, limits.rate("client"), limits.rate("enroll"),
+                limits.max_blob_bytes, limits.rate("client"), limits.rate("enroll"),
+                max_report_bytes=limits.max_report_bytes,
             )
             self.public_key = self.app_state.public_key
             self.app = app_lib.create_app(self.app_state, tick, limits.body_timeout)

@@ -29,9 +29,10 @@ class ServerState:
       key: the Ed25519 key that signs plans.
       admin_token_hash: the SHA-256 (hex) of the admin endpoints' bearer token.
       credential_ttl: seconds a client credential stays valid.
-      max_blob_bytes: the largest blob the admin may upload.
+      max_blob_bytes: the largest blob the admin may upload (`--max-blob-bytes`).
       client_rate: each enrolled client's rate limit (`ratelimit`; None: none).
       enroll_rate: each address's limit on failed enrollments (None: none).
+      max_report_bytes: the largest upload of any kind (`--max-report-bytes`).
     """
 
     def __init__(
@@ -43,6 +44,7 @@ class ServerState:
         max_blob_bytes: int = 1 << 30,
         client_rate: ratelimit.Rate | None = None,
         enroll_rate: ratelimit.Rate | None = None,
+        max_report_bytes: int = 1 << 30,
     ):
         self.store = store
         self.key = key
@@ -50,6 +52,7 @@ class ServerState:
         self.admin_token_hash = admin_token_hash
         self.credential_ttl = credential_ttl
         self.max_blob_bytes = max_blob_bytes
+        self.max_report_bytes = max_report_bytes
         # Each plan is read, verified and parsed once for every upload checked against it.
         self.verified = cache.VerifiedPlans(store.get_blob, self.public_key)
         self.rounds = rounds_lib.Rounds(store, self.verified.folder)
