@@ -130,15 +130,26 @@ class Malformed:
 # Framing
 
 
-def pack(kind: int, header: dict[str, Any], blobs: list[bytes]) -> bytes:
-    """A frame of `kind` (`KIND_TYPE`, `KIND_VALUE`, `KIND_COMPUTATION`)."""
+def pack(kind: int, header: dict[str, Any], blobs: list[Any]) -> bytes:
+    """A frame of `kind` (`KIND_TYPE`, `KIND_VALUE`, `KIND_COMPUTATION`): the parts of
+    `pack_parts`, joined once (the frame's bytes are the only copy of the blobs made)."""
+    return b"".join(pack_parts(kind, header, blobs))
+
+
+def pack_parts(kind: int, header: dict[str, Any], blobs: list[Any]) -> list[Any]:
+    """The frame of `pack` as the buffers that make it, in order, without joining them:
+    for a sender that streams them (a model's tensors are sent from their own memory).
+    `blobs` are bytes-like; each stays referenced, not copied."""
     header = {**header, "blobs": len(blobs)}
     head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    parts = [PREFIX.pack(MAGIC, FORMAT_VERSION, kind, len(head)), head]
+    parts: list[Any] = [PREFIX.pack(MAGIC, FORMAT_VERSION, kind, len(head)), head]
     for b in blobs:
-        parts += [struct.pack("<Q", len(b)), b]
-    body = b"".join(parts)
-    return body + struct.pack("<I", zlib.crc32(body))
+        parts += [struct.pack("<Q", len(b) if isinstance(b, bytes) else memoryview(b).nbytes), b]
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    parts.append(struct.pack("<I", crc))
+    return parts
 
 
 def check_bytes(data: Any) -> None:
@@ -148,10 +159,11 @@ def check_bytes(data: Any) -> None:
         raise TypeError(f"Expected bytes to deserialize, found {types.describe(data)}.")
 
 
-def unpack(data: Any, kind: int) -> tuple[dict[str, Any], list[bytes]]:
-    """The header and blobs of a frame of `kind`; raises `SerializationError` if malformed."""
+def unpack(data: Any, kind: int) -> tuple[dict[str, Any], list[memoryview]]:
+    """The header and blobs of a frame of `kind` (the blobs are views of `data`, not
+    copies); raises `SerializationError` if malformed."""
     check_bytes(data)
-    data = bytes(data)
+    data = memoryview(data).cast("B")
     if len(data) < PREFIX.size + 4:
         raise malformed(f"at least {PREFIX.size + 4} bytes of fedlang data", f"{len(data)} bytes")
     magic, version, found_kind, head_len = PREFIX.unpack_from(data)
@@ -169,16 +181,16 @@ def unpack(data: Any, kind: int) -> tuple[dict[str, Any], list[bytes]]:
         what = _KIND_NAMES.get(found_kind, f"unknown kind {found_kind}")
         raise malformed(f"{_KIND_NAMES[kind]} (kind {kind})", f"{what} (kind {found_kind})")
     (crc,) = struct.unpack_from("<I", data, len(data) - 4)
-    if crc != zlib.crc32(data[:-4]):
-        raise malformed(
-            f"checksum {zlib.crc32(data[:-4]):#010x}", f"{crc:#010x} (truncated or corrupted data)"
-        )
     data = data[:-4]
+    if crc != zlib.crc32(data):
+        raise malformed(
+            f"checksum {zlib.crc32(data):#010x}", f"{crc:#010x} (truncated or corrupted data)"
+        )
     pos = PREFIX.size + head_len
     if pos > len(data):
         raise malformed(f"a {head_len}-byte header", f"{len(data) - PREFIX.size} bytes")
     try:
-        header = json.loads(data[PREFIX.size : pos].decode())
+        header = json.loads(bytes(data[PREFIX.size : pos]).decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise malformed("a UTF-8 JSON header", f"invalid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -229,11 +241,12 @@ class EncodeContext:
     def __init__(self) -> None:
         self.types: list[Any] = []
         self._type_index: dict[types.Type, int] = {}
-        self.blobs: list[bytes] = []
+        self.blobs: list[Any] = []
 
-    def add_blob(self, data: bytes) -> int:
-        """Stores `data` as a blob; returns its index."""
-        self.blobs.append(bytes(data))
+    def add_blob(self, data: Any) -> int:
+        """Stores `data` (bytes-like: kept by reference, not copied) as a blob; returns
+        its index."""
+        self.blobs.append(data if isinstance(data, bytes) else memoryview(data).cast("B"))
         return len(self.blobs) - 1
 
     def type_ref(self, t: types.Type) -> int:
@@ -263,7 +276,11 @@ class EncodeContext:
         arr = arr.astype(arr.dtype.newbyteorder("=")) if not arr.dtype.isnative else arr
         if sys.byteorder == "big":
             arr = arr.byteswap()
-        return {"dtype": name, "shape": list(arr.shape), "blob": self.add_blob(arr.tobytes())}
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")
+        # a view of the tensor's own memory (as raw bytes: any dtype, 0-d too), not a copy
+        raw = arr.reshape(-1).view(np.uint8)
+        return {"dtype": name, "shape": list(arr.shape), "blob": self.add_blob(raw)}
 
 
 class DecodeContext:
@@ -283,7 +300,7 @@ class DecodeContext:
     def __init__(
         self,
         header: dict[str, Any],
-        blobs: list[bytes],
+        blobs: list[Any],
         trusted: bool = False,
         max_bytes: int | None = None,
     ):
@@ -297,6 +314,10 @@ class DecodeContext:
 
     def blob(self, index: Any) -> bytes:
         """The blob at `index` (validated; each blob may be read once)."""
+        return bytes(self._buffer(index))
+
+    def _buffer(self, index: Any) -> Any:
+        """The blob at `index` as a view of the frame (validated; read once)."""
         i = check_int(index, "a blob index", 0, len(self._blobs))
         if i in self._used:
             raise malformed(
@@ -342,7 +363,7 @@ class DecodeContext:
             raise malformed(f"a tensor of type {expected}", f"{name}{list(shape)}")
         if name == "str":
             return self._strings(obj, shape)
-        buf = self.blob(obj.get("blob"))
+        buf = self._buffer(obj.get("blob"))
         size = math.prod(shape) * dtype.itemsize
         if len(buf) != size:
             raise malformed(f"{size} bytes for a {name}{list(shape)} tensor", f"{len(buf)} bytes")
@@ -621,7 +642,7 @@ class _IREncoder:
 
 class _IRDecoder:
     def __init__(
-        self, header: dict[str, Any], blobs: list[bytes], trusted: bool, max_bytes: int | None
+        self, header: dict[str, Any], blobs: list[Any], trusted: bool, max_bytes: int | None
     ):
         self.ctx = DecodeContext(header, blobs, trusted, max_bytes)
         self.locals = []
