@@ -61,6 +61,8 @@ from fedlang.deploy.plans import cache, execution
 from fedlang.deploy.plans import round as plan_lib
 
 log = logging.getLogger("fedlang.deploy.client")
+# The blobs a client keeps: a plan and a broadcast per round, a few rounds of small ones.
+_KEPT_BLOBS, _KEPT_BLOB_BYTES = 8, 64 << 20
 
 
 def _dataset(value: Any, batch_size: int) -> Any:
@@ -347,16 +349,29 @@ class Client:
             )
 
     def _blob(self, h: str) -> bytes:
+        """Blob `h` (a plan, a broadcast), streamed and checked against its hash. A few
+        small ones are kept (a plan is read again each round); a large one (a model's
+        broadcast, read once a round) pushes out all but itself, so a client holds at
+        most one model-sized blob."""
         if h not in self._blobs:
-            data = self._request("GET", f"{protocol.API}/blobs/{h}").content
-            if protocol.blob_hash(data) != h:
-                raise protocol.BadRequest(
-                    f"Expected blob {h} from the server, found bytes with another hash."
-                )
-            if len(self._blobs) > 16:  # a plan and a broadcast per round: keep a few
-                self._blobs.pop(next(iter(self._blobs)))
+            if self.credential is None:
+                self.enroll()
+            try:
+                data = self._download(h)
+            except protocol.Unauthorized:
+                if self.token is None:
+                    raise
+                self.enroll()
+                data = self._download(h)
             self._blobs[h] = data
+            while len(self._blobs) > 1 and (len(self._blobs) > _KEPT_BLOBS or sum(
+                    len(b) for b in self._blobs.values()) > _KEPT_BLOB_BYTES):
+                self._blobs.pop(next(iter(self._blobs)))
         return self._blobs[h]
+
+    def _download(self, h: str) -> bytes:
+        return self.connection.download(
+            f"{protocol.API}/blobs/{h}", token=self.credential, expected_hash=h)
 
     def _plan(self, h: str) -> plan_lib.RoundPlan:
         """The verified round plan in blob `h`."""

@@ -1,12 +1,19 @@
 """HTTP to a task store server, as a client and the driver both speak it: bearer
 tokens, error answers turned back into `protocol` errors, and retries with exponential
 backoff and jitter while the server is unreachable (e.g. restarting).
+
+A value (a model, an aggregate) is downloaded by `Connection.download`: streamed into
+one buffer of its announced size, its hash checked as it arrives, and a transfer cut
+part way resumed from the bytes received (`Range`), not started over.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
+import re
 import time
+import typing
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
@@ -102,47 +109,144 @@ class Connection:
         headers = dict(kwargs.pop("headers", {}) or {})
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
-        first_failure: float | None = None
-        attempt = 0
+        stream = kwargs.pop("stream", False)
+        waits = _Waits(self, f"{method} {path}", retry)
         while True:
             try:
-                resp = self.http.request(method, path, headers=headers, **kwargs)
+                resp = self.http.send(
+                    self.http.build_request(method, path, headers=headers, **kwargs),
+                    stream=stream)
             except httpx.TransportError as e:
                 problem: str = f"{type(e).__name__}: {e}"
             else:
                 if resp.status_code < 400 or resp.status_code == 304:
                     return resp
+                if stream:
+                    resp.read()
+                    resp.close()
                 if resp.status_code not in _RETRY_STATUS:
                     raise _error(resp)
                 problem = f"HTTP {resp.status_code}"
                 told = _retry_after(resp)
-                if told is not None:  # 429 (or 503) with Retry-After: wait what it says
-                    now = self.clock()
-                    first_failure = now if first_failure is None else first_failure
-                    left = first_failure + self.patience - now
-                    if retry and told <= left:
-                        self.sleep(told + self._rng.uniform(0, min(told, 1.0) / 4))
-                        continue
-            now = self.clock()
-            first_failure = now if first_failure is None else first_failure
-            left = first_failure + self.patience - now
-            if not retry or left <= 0:
-                raise ServerUnavailable(
-                    f"Expected the server at {self.url} to answer {method} {path}, found "
-                    f"{problem} for {now - first_failure:.0f} s (patience {self.patience:g} "
-                    "s); check that it runs and that the URL is right."
-                )
-            first, largest = self.backoff
-            # the last wait ends at the deadline, so `patience` is the seconds it retries
-            grown = first * 2.0 ** min(attempt, 64)  # capped: 2**1024 would overflow a float
-            self.sleep(min(left, self._rng.uniform(0, min(largest, grown))))
-            attempt += 1
+                if told is not None and waits.wait_told(told):  # 429 (or 503) + Retry-After
+                    continue
+            waits.wait(problem)
+
+    def download(self, path: str, *, token: str | None = None,
+                 expected_hash: str | None = None) -> bytes:
+        """GETs a value (a blob, an aggregate) as a stream into one buffer of its announced
+        size. A transfer cut part way is resumed from the bytes received (`Range`; a
+        server that answers it with the whole value again starts it over), retried as
+        `request` retries. With `expected_hash` (a blob's), the bytes' SHA-256 is checked.
+        Returns the buffer itself (a `bytearray`, which every reader of bytes here
+        takes), not a copy of a model-sized value.
+
+        Raises:
+          BadRequest: bytes of another hash than `expected_hash`.
+          what `request` raises.
+        """
+        data, digest, got = bytearray(), hashlib.sha256(), 0
+        waits = _Waits(self, f"GET {path}", True)
+        while True:
+            headers = {"Range": f"bytes={got}-"} if got else {}
+            resp = self.request("GET", path, token=token, headers=headers, stream=True)
+            try:
+                start, total = _content_range(resp)
+                if start == 0 and got:  # the whole value again: start over
+                    data, digest, got = bytearray(), hashlib.sha256(), 0
+                elif start != got:
+                    raise protocol.BadRequest(
+                        f"Expected {path} from byte {got} (as asked), found it from byte "
+                        f"{start}.")
+                if total is not None and len(data) != total:
+                    data = bytearray(total)  # one buffer of the value's size, filled below
+                view = memoryview(data)
+                for chunk in resp.iter_bytes():
+                    if got + len(chunk) > len(data):  # a size not announced: grow
+                        view.release()
+                        data.extend(bytes(got + len(chunk) - len(data)))
+                        view = memoryview(data)
+                    view[got:got + len(chunk)] = chunk
+                    digest.update(chunk)
+                    got += len(chunk)
+                view.release()
+                if total is None or got == total:
+                    del data[got:]
+                    break
+                problem = f"the body ending after {got} of {total} bytes"
+            except httpx.TransportError as e:
+                problem = f"{type(e).__name__}: {e}"
+            finally:
+                resp.close()
+            waits.what = f"GET {path} (cut after {got} bytes)"
+            waits.wait(problem)
+        if expected_hash is not None and digest.hexdigest() != expected_hash:
+            raise protocol.BadRequest(
+                f"Expected the bytes of blob {expected_hash} from {self.url}{path}, found "
+                "bytes of another hash; the server or the path to it changed them.")
+        return typing.cast(bytes, data)
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self.request(method, path, **kwargs).json()
 
     def close(self) -> None:
         self.http.close()
+
+
+class _Waits:
+    """The waits between retries of one request (see `Connection`): exponential backoff
+    with full jitter, until `patience` seconds after the first failure."""
+
+    def __init__(self, conn: Connection, what: str, retry: bool):
+        self.conn, self.what, self.retry = conn, what, retry
+        self.first_failure: float | None = None
+        self.attempt = 0
+
+    def _left(self) -> float:
+        now = self.conn.clock()
+        self.first_failure = now if self.first_failure is None else self.first_failure
+        return self.first_failure + self.conn.patience - now
+
+    def wait_told(self, told: float) -> bool:
+        """Waits the seconds the server told (and a quarter of them at most, at random);
+        False when that would outlast the patience."""
+        if not (self.retry and told <= self._left()):
+            return False
+        self.conn.sleep(told + self.conn._rng.uniform(0, min(told, 1.0) / 4))
+        return True
+
+    def wait(self, problem: str) -> None:
+        """Waits before the next try, or raises ServerUnavailable past the patience."""
+        left = self._left()
+        if not self.retry or left <= 0:
+            assert self.first_failure is not None
+            raise ServerUnavailable(
+                f"Expected the server at {self.conn.url} to answer {self.what}, found "
+                f"{problem} for {self.conn.clock() - self.first_failure:.0f} s (patience "
+                f"{self.conn.patience:g} s); check that it runs and that the URL is right."
+            )
+        first, largest = self.conn.backoff
+        # the last wait ends at the deadline, so `patience` is the seconds it retries
+        grown = first * 2.0 ** min(self.attempt, 64)  # capped: 2**1024 overflows a float
+        self.conn.sleep(min(left, self.conn._rng.uniform(0, min(largest, grown))))
+        self.attempt += 1
+
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-\d+/(\d+)")
+
+
+def _content_range(resp: httpx.Response) -> tuple[int, int | None]:
+    """(where the body starts in the value, the value's size if announced): from a 206's
+    `Content-Range`, else 0 and `Content-Length`."""
+    if resp.status_code == 206:
+        m = _CONTENT_RANGE.fullmatch(resp.headers.get("content-range", ""))
+        if m is None:
+            raise protocol.BadRequest(
+                f"Expected a Content-Range of bytes START-END/SIZE with a partial answer, "
+                f"found {resp.headers.get('content-range')!r}.")
+        return int(m.group(1)), int(m.group(2))
+    length = resp.headers.get("content-length", "")
+    return 0, int(length) if length.isdigit() else None
 
 
 def _retry_after(resp: httpx.Response) -> float | None:

@@ -143,9 +143,9 @@ class Admin:
         )
 
     def aggregate(self, round_id: int) -> bytes:
-        return self.connection.request(
-            "GET", f"{protocol.API}/admin/rounds/{round_id}/aggregate", token=self.token
-        ).content
+        """A closed round's aggregate, streamed (a cut transfer resumes)."""
+        return self.connection.download(
+            f"{protocol.API}/admin/rounds/{round_id}/aggregate", token=self.token)
 
     # -- watching a deployment (server/ops.py)
 

@@ -124,14 +124,9 @@ class Link:
         return result
 
     def blob(self, h: str) -> bytes:
-        """A blob of a root task, checked against its hash."""
-        data = self.conn.request("GET", f"/v1/edge/blobs/{h}", token=self.token).content
-        if protocol.blob_hash(data) != h:
-            raise protocol.BadRequest(
-                f"Expected the root's blob {h}, found bytes of another hash; the root or the "
-                "path to it changed them."
-            )
-        return data
+        """A blob of a root task, streamed and checked against its hash."""
+        return self.conn.download(
+            f"/v1/edge/blobs/{h}", token=self.token, expected_hash=h)
 
     def upload(self, path: str, body: bytes, *, retry: bool = True) -> dict[str, Any]:
         """Uploads `body` to `/v1/edge/PATH` (idempotent at the root)."""
