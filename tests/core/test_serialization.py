@@ -588,3 +588,18 @@ def test_deeply_nested_header_is_rejected_cleanly():
     data = body + struct.pack("<I", zlib.crc32(body))
     with pytest.raises(serialization.SerializationError, match="Expected"):
         serialization.deserialize_type(data)
+
+
+def test_a_value_is_written_and_read_without_copying_its_tensors_when_asked():
+    x = np.arange(1000, dtype=np.float32).reshape(10, 100)
+    t = fl.to_type(fl.TensorType(np.float32, [10, 100]))
+    data = serialization.serialize_value(x, t)
+    viewed = serialization.deserialize_value(data, expected_type=t, copy=False)
+    copied = serialization.deserialize_value(data, expected_type=t)
+    np.testing.assert_array_equal(viewed, x)
+    np.testing.assert_array_equal(copied, x)
+    frame = np.frombuffer(data, np.uint8)
+    assert np.shares_memory(viewed, frame) and not viewed.flags.writeable  # a view of bytes
+    assert not np.shares_memory(copied, frame) and copied.flags.writeable
+    parts = wire.pack_parts(wire.KIND_VALUE, {"types": [], "type": 0}, [memoryview(x).cast("B")])
+    assert any(isinstance(p, memoryview) and np.shares_memory(np.asarray(p), x) for p in parts)

@@ -161,7 +161,8 @@ def serialize_value(value: Any, type_spec: Any = None) -> bytes:
 
 
 def deserialize_value(
-    data: bytes, *, expected_type: Any = None, max_bytes: int | None = None
+    data: bytes, *, expected_type: Any = None, max_bytes: int | None = None,
+    copy: bool = True,
 ) -> Any:
     """Reads a value written by `serialize_value`, in the containers its type remembers.
 
@@ -174,6 +175,8 @@ def deserialize_value(
       expected_type: if given, the value's type must be exactly this (anything
         `fedlang.to_type` accepts); checked before any tensor is decoded.
       max_bytes: if given, refuse values whose tensors exceed this many bytes.
+      copy: tensors are arrays of their own (True), or views of `data` (False: a large
+        value is not held twice while it is read; read-only when `data` is bytes).
 
     CLIENTS values come back as lists, tensors as NumPy arrays (scalars as NumPy scalars).
 
@@ -184,7 +187,7 @@ def deserialize_value(
     wire.check_bytes(data)
     with wire.Malformed("a serialized value"):
         header, blobs = wire.unpack(data, wire.KIND_VALUE)
-        ctx = wire.DecodeContext(header, blobs, max_bytes=max_bytes)
+        ctx = wire.DecodeContext(header, blobs, max_bytes=max_bytes, copy=copy)
         t = ctx.type(header.get("type"))
         if expected_type is not None:
             want = types.to_type(expected_type)

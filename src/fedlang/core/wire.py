@@ -295,6 +295,9 @@ class DecodeContext:
       trusted: whether the bytes come from a source the caller trusts (its own, or
         verified against a pinned key). Local codecs must not hand untrusted embedded
         programs to a native parser in this process before checking them elsewhere.
+      copy: tensors are copies of the frame's bytes (True), or views of them (False:
+        no second copy of a large value, for a reader that only reads it while it
+        holds the frame).
     """
 
     def __init__(
@@ -303,8 +306,10 @@ class DecodeContext:
         blobs: list[Any],
         trusted: bool = False,
         max_bytes: int | None = None,
+        copy: bool = True,
     ):
         self._types_json = field(header, "types", list, "the header")
+        self.copy = copy
         self._types: dict[int, types.Type] = {}
         self._blobs = blobs
         self._used: set[int] = set()
@@ -371,7 +376,9 @@ class DecodeContext:
         if dtype == np.bool_:
             return (np.frombuffer(buf, np.uint8) != 0).reshape(shape)
         arr = np.frombuffer(buf, dtype).reshape(shape)
-        return arr.byteswap() if sys.byteorder == "big" else arr.copy()
+        if sys.byteorder == "big":
+            return arr.byteswap()
+        return arr.copy() if self.copy else arr
 
     def _strings(self, obj: dict[str, Any], shape: tuple[int, ...]) -> np.ndarray:
         count = math.prod(shape)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import typing
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, Generic, Protocol, TypeVar
@@ -175,13 +176,19 @@ async def read_limited(request: fastapi.Request, limit: int | Limit) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit.most:
         raise limit.refuse(f"{declared} bytes")
-    parts, size = [], 0
+    # one buffer of the declared size, filled as the body arrives (chunks then their
+    # join held a body twice)
+    body = bytearray(int(declared) if declared is not None and declared.isdigit() else 0)
+    size = 0
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit.most:
+        if size + len(chunk) > limit.most:
             raise limit.refuse("more")
-        parts.append(chunk)
-    return b"".join(parts)
+        if size + len(chunk) > len(body):  # undeclared (or more than declared): grow
+            body.extend(bytes(size + len(chunk) - len(body)))
+        body[size:size + len(chunk)] = chunk
+        size += len(chunk)
+    del body[size:]
+    return typing.cast(bytes, body)  # a bytearray: every reader of bytes here takes it
 
 
 async def take(

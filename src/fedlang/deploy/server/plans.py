@@ -73,8 +73,8 @@ def check_value(server: state_lib.ServerState, plan: Any, h: str, what: str) -> 
       BadRequest: a value of another type.
     """
     try:
-        serialization.deserialize_value(
-            server.store.get_blob(h), expected_type=plan.broadcast_type
+        serialization.deserialize_value(  # read, not kept: no copy of its tensors
+            server.store.get_blob(h), expected_type=plan.broadcast_type, copy=False
         )
     except serialization.SerializationError as e:
         raise protocol.BadRequest(f"Expected blob {h} to be the plan's {what}: {e}") from e
