@@ -98,7 +98,7 @@ class _CuttingServer:
             def log_message(self, *args):
                 pass
 
-            def do_GET(self):  # noqa: N802 - http.server's name
+            def do_GET(self):
                 asked = self.headers.get("Range")
                 outer.asked.append(asked)
                 start = int(asked[6:-1]) if asked and outer.ranges else 0
