@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
@@ -43,10 +44,15 @@ class Options:
     """Settings of the simulation runtime.
 
     Attributes:
-      chunk_size: clients per chunk; None derives it from `memory_budget` and the sizes
-        of the values mapped over clients (at most 256).
-      memory_budget: bytes of client data staged per chunk (and per window of one
-        client's batches); a client larger than this is streamed.
+      chunk_size: clients per chunk; None (or 'auto') derives it from `memory_budget`
+        and the sizes of the values the wave computes per client: 8 to 256 clients, or
+        fewer, down to 1, when 8 clients' values are large and would exceed the budget
+        (`SimulationContext.chunk_size_for`).
+      memory_budget: bytes a chunk may hold: its clients' values (with 'auto' chunk
+        sizes) and the client data staged for it (and per window of one client's
+        batches); a client larger than this is streamed. A fixed default, not a share
+        of the machine's free memory, so that chunks, and with them the rounding of
+        sums, do not change from run to run.
       strategy: how local computations reduce client datasets: 'auto' (measure and
         pick), 'loop' (host loop of jitted steps), 'scan' (lax.scan over segments) or
         'vmap' (clients vectorized, `vmap_width` at a time; see `vmap_exec`).
@@ -66,7 +72,7 @@ class Options:
         thread), else 1 (`local_exec.client_threads_for`). Results do not depend on it.
     """
 
-    chunk_size: int | None = None
+    chunk_size: int | str | None = None
     memory_budget: int = 512 << 20
     strategy: str = "auto"
     num_clients: int | None = None
@@ -83,10 +89,25 @@ class Options:
                 f"client_threads must be a positive number of threads or None, found "
                 f"{self.client_threads}."
             )
-        if self.chunk_size is not None and self.chunk_size < 1:
+        if self.chunk_size is not None and not (
+            isinstance(self.chunk_size, str) and self.chunk_size == "auto"
+        ):
+            size = _whole(self.chunk_size)
+            if size is None or size < 1:
+                raise ValueError(
+                    f"chunk_size must be a positive number of clients, 'auto' or None, found "
+                    f"{self.chunk_size!r}."
+                )
+            self.chunk_size = size
+        else:
+            self.chunk_size = None  # 'auto'
+        budget = _whole(self.memory_budget)
+        if budget is None:
             raise ValueError(
-                f"chunk_size must be a positive number of clients, found {self.chunk_size}."
+                f"memory_budget must be a whole number of bytes, found {self.memory_budget!r}"
+                f" ({type(self.memory_budget).__name__}). Write it as an int: 4 << 30 is 4 GiB."
             )
+        self.memory_budget = budget
         if self.memory_budget < 1 << 16:
             raise ValueError(
                 f"memory_budget must be at least 64 KiB, found {self.memory_budget} bytes."
@@ -103,6 +124,14 @@ class Options:
             raise ValueError(
                 f"Unknown strategy {self.strategy!r}; expected one of {local_exec.STRATEGIES}."
             )
+
+
+def _whole(value: object) -> int | None:
+    """`value` as an int if it is a whole number (a NumPy integer too), else None (bools,
+    floats and strings are not numbers of clients or bytes)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +325,7 @@ class Run(reference.Interpreter):
         seq_sources = [s for s in sources if _has_sequence(s.member)]
         pool = self.ctx.pool if self.ctx.options.prefetch and seq_sources else None
         budget = max(self.ctx.options.memory_budget // max(size, 1), 1 << 16)
+        steps = _add_steps(wave)
         pending: concurrent.futures.Future | None = None
         for k, (start, stop) in enumerate(bounds):
             if pool is not None:
@@ -306,8 +336,12 @@ class Run(reference.Interpreter):
                 if k + 1 < len(bounds):
                     pending = pool.submit(_stage, seq_sources, *bounds[k + 1], budget)
             cache: lazy.Cache = {}
-            for a, acc in zip(wave, accs):
-                acc.add(a.input.chunk(start, stop, cache), stop - start)
+            for i, done in steps:
+                value = wave[i].input.chunk(start, stop, cache)
+                for key in done:  # values no later aggregation of the wave reads
+                    cache.pop(key, None)
+                accs[i].add(value, stop - start)
+                del value
 
 
 class _Eager:
@@ -458,6 +492,83 @@ def _graph(value: lazy.ClientsValue) -> Iterator[lazy.ClientsValue]:
         yield from _graph(child)
 
 
+#: The clients of an 'auto' chunk: at least MIN_CHUNK, at most MAX_CHUNK, unless a
+#: client's values are large (`large_chunk_size`).
+MIN_CHUNK, MAX_CHUNK = 8, 256
+#: What MIN_CHUNK clients' values (twice over, as counted) may take whatever the budget:
+#: splitting a chunk smaller than this saves little memory and costs a pass per chunk.
+SMALL_CHUNK_BYTES = 64 << 20
+
+
+def large_chunk_size(budget: int, per_client: int) -> int:
+    """Clients per chunk when a client's values are large: as many as fit `budget` (each
+    client's `per_client` bytes twice over, for inputs and outputs in flight), from 1
+    to MIN_CHUNK; MIN_CHUNK when their values take at most SMALL_CHUNK_BYTES.
+
+    Args:
+      budget: bytes the chunk may hold (`Options.memory_budget`).
+      per_client: bytes of the values one client adds to a chunk.
+
+    Returns:
+      The number of clients, 1 to MIN_CHUNK.
+
+    Example:
+      >>> large_chunk_size(512 << 20, 1 << 30)  # a 1 GiB model: one client at a time
+      1
+      >>> large_chunk_size(512 << 20, 64 << 20)
+      4
+      >>> large_chunk_size(64 << 10, 16 << 10)  # small values: never fewer than 8
+      8
+    """
+    need = 2 * max(per_client, 1)
+    if MIN_CHUNK * need <= SMALL_CHUNK_BYTES:
+        return MIN_CHUNK
+    return int(min(max(budget // need, 1), MIN_CHUNK))
+
+
+def _held_bytes(nodes: list[lazy.ClientsValue]) -> int:
+    """Bytes per client of the values a chunk of these graph nodes holds: each node once
+    (a chunk computes a node shared by several aggregations once), without the nodes
+    that hold no per-client copy (a broadcast is one value; a zip and a selection
+    refer to their inputs' arrays)."""
+    distinct = {id(node): node for node in nodes}.values()
+    return sum(
+        _type_bytes(node.member)
+        for node in distinct
+        if not isinstance(node, lazy.Replicated | lazy.Zipped) and not _is_selection(node)
+    )
+
+
+def _is_selection(node: lazy.ClientsValue) -> bool:
+    """Whether `node` maps `x -> x[i][j]` (`Run._apply` selects without copying)."""
+    return (
+        isinstance(node, lazy.Mapped)
+        and isinstance(node.fn, reference.Closure)
+        and _selection_path(node.fn.fn) is not None
+    )
+
+
+def _add_steps(wave: list[AggThunk]) -> list[tuple[int, list[int]]]:
+    """The order in which a chunk's values are added to the wave's accumulators: (index
+    in `wave`, cache keys of the values no later step reads) per aggregation.
+
+    Aggregations of small values go first, the largest last, and each chunk value is
+    dropped once the last aggregation that reads it has it: a FedAvg chunk then adds
+    its weighted updates while the clients' models and unweighted updates are already
+    freed, not with all three held. The accumulators are independent, so the order
+    changes no result.
+    """
+    order = sorted(range(len(wave)), key=lambda i: _type_bytes(wave[i].input.member))
+    last: dict[int, int] = {}
+    for step, i in enumerate(order):
+        for node in _graph(wave[i].input):
+            last[id(node)] = step
+    done: list[list[int]] = [[] for _ in order]
+    for key, step in last.items():
+        done[step].append(key)
+    return [(i, done[step]) for step, i in enumerate(order)]
+
+
 def _type_bytes(t: types.Type) -> int:
     if isinstance(t, types.TensorType):
         return int(np.prod([d or 1 for d in t.shape], dtype=np.int64)) * t.dtype.itemsize
@@ -560,17 +671,27 @@ class SimulationContext:
         self.close()
 
     def chunk_size_for(self, wave: list[AggThunk]) -> int:
-        """Clients per chunk: as set, or what fits the memory budget (8 to 256; with
-        client datasets at most 32 on a CPU, 128 on an accelerator).
+        """Clients per chunk: as set, or what fits the memory budget.
 
         The estimate counts the bytes of every per-client value the wave computes
         (model weights, updates, metrics: the sizes their types give, unknown dims as
-        1) twice over, for inputs and outputs in flight.
+        1) twice over, for inputs and outputs in flight. Chunks hold 8 to 256 clients
+        (with client datasets at most 32 on a CPU, 128 on an accelerator), each value
+        counted once per aggregation that reads it: a wide margin, which small models
+        have always run with. When not even 8 clients fit that way, each value is
+        counted once, as a chunk holds it, and the chunk takes as many clients as fit,
+        down to 1 (`large_chunk_size`): a large model then holds a few copies of
+        itself, not a few per client of a chunk of 8.
         """
         if self.options.chunk_size is not None:
-            return self.options.chunk_size
-        per_client = sum(_type_bytes(node.member) for a in wave for node in _graph(a.input))
-        size = int(np.clip(self.options.memory_budget // max(2 * per_client, 1), 8, 256))
+            return cast(int, self.options.chunk_size)
+        budget = self.options.memory_budget
+        nodes = [node for a in wave for node in _graph(a.input)]
+        per_client = sum(_type_bytes(node.member) for node in nodes)
+        size = budget // max(2 * per_client, 1)
+        if size < MIN_CHUNK:
+            return large_chunk_size(budget, _held_bytes(nodes))
+        size = min(size, MAX_CHUNK)
         if any(_has_sequence(s.member) for s in _clients_sources(wave)):
             # Client datasets are staged a chunk ahead; their sizes are unknown until read,
             # so keep chunks small enough that staging overlaps compute and memory stays flat
