@@ -172,7 +172,8 @@ class Cohort:
         with self.server.store.transaction() as tx:
             rows = [tx.all(q, (self.round,)) for q in (
                 "SELECT stage, answered, state FROM secure_rounds WHERE round = ?",
-                "SELECT data FROM aggregates WHERE round = ?",
+                "SELECT c.data FROM aggregates a JOIN value_chunks c ON c.value = a.value"
+                " WHERE a.round = ? ORDER BY c.idx",
                 "SELECT client, stage, digest FROM reports WHERE round = ? ORDER BY client, stage",
                 "SELECT client, state FROM assignments WHERE round = ? ORDER BY client",
                 "SELECT client, stage FROM secure_requests WHERE round = ? ORDER BY client, stage",
@@ -540,7 +541,7 @@ _AUDIT = [
     *(f"CREATE TRIGGER audit_{table}_{event} AFTER {event} ON {table} BEGIN INSERT INTO audit"
       f" VALUES (NEW.{column}); END"
       for table, column in [("secure_rounds", "state"), ("secure_requests", "data"),
-                            ("aggregates", "data"), ("reports", "digest")]
+                            ("value_chunks", "data"), ("reports", "digest")]
       for event in ("INSERT", "UPDATE")),
 ]
 

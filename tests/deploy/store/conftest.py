@@ -3,6 +3,7 @@
 import pytest
 
 from fedlang.deploy.store import store as store_lib
+from fedlang.deploy.store import values
 
 
 class Clock:
@@ -40,9 +41,35 @@ _ADDED_COLUMNS = {12: [("assignments", "seats"), ("assignments", "target"),
                        ("reports", "count"), ("reports", "dropped")]}
 
 
+# The tables whose bytes version 13 moved into values in chunks, as version 12 had them.
+V12_TABLES = {
+    "blobs": ("hash", "size, created", "CREATE TABLE blobs (hash TEXT PRIMARY KEY,"
+              " size {int} NOT NULL, data {blob} NOT NULL, created {real} NOT NULL)"),
+    "aggregates": ("round", "reports", "CREATE TABLE aggregates (round {int} PRIMARY KEY,"
+                   " data {blob} NOT NULL, reports {int} NOT NULL)"),
+}
+
+
+def _as_version_12(tx):
+    """Blobs and aggregates with their bytes in their rows (`data`), as before version 13."""
+    for table, (key, columns, made) in V12_TABLES.items():
+        rows = tx.all(f"SELECT {key}, value, {columns} FROM {table}")
+        tx.run(f"DROP TABLE {table}")
+        tx.run(made.format(**tx.dialect.types))
+        for k, value, *rest in rows:
+            data = values.read(tx, values.head(tx, value))
+            tx.run(f"INSERT INTO {table} ({key}, data, {columns}) VALUES (?, ?{', ?' * len(rest)})",
+                   (k, data, *rest))
+    tx.run("DROP TABLE value_chunks")
+    tx.run("DROP TABLE value_heads")
+
+
 def as_version(tx, version):
     """Marks a database made with today's schema as of schema `version`, without the
-    columns later versions added (their migration adds them again)."""
+    columns later versions added (their migration adds them again) and with the tables
+    they changed as they were."""
+    if version < 13:
+        _as_version_12(tx)
     for added, columns in _ADDED_COLUMNS.items():
         if version < added:
             for table, column in columns:

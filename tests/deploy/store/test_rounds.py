@@ -2,6 +2,8 @@
 (`db_url` runs each test on both). Reports are taken as the server takes them, by the
 shards (`accept`)."""
 
+import os
+import sqlite3
 import threading
 
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 
 from fedlang.deploy import protocol
 from fedlang.deploy.plans import execution, folding
+from fedlang.deploy.store import mirrors as mirrors_lib
 from fedlang.deploy.store import rounds as rounds_lib
 from fedlang.deploy.store import shards as shards_lib
 from fedlang.deploy.store import store as store_lib
@@ -204,3 +207,77 @@ def test_a_finished_population_tells_clients_to_stop(rounds, store, token):
     with pytest.raises(protocol.NotFound):
         store.finish_population("nope")
 
+
+
+# -- space: aggregates and blobs no task needs are deleted
+
+
+def closed_round(rounds, aggregate, population="pop", broadcast=b"broadcast", on_create=None):
+    """A round of `population` closed with one report, folded into its aggregate
+    (`aggregate`, the bytes it starts with, reversed: the aggregate is written again)."""
+    store = rounds.store
+    plan, model = store.put_blob(b"signed plan"), store.put_blob(broadcast)
+    r = rounds.create(population, plan, model, rounds_lib.CohortOptions(1), aggregate,
+                      on_create=on_create)
+    with store.transaction(write=True) as tx:
+        rounds_lib.fold_report(tx, r.id, "c-1", lambda a: a[::-1], store.clock())
+    rounds.close_if_done(r.id)
+    return rounds.round(r.id)
+
+
+def test_the_latest_closed_rounds_of_a_population_keep_their_aggregates(rounds, store, folder,
+                                                                         token):
+    # arrange: in "pop", r1 (mirrored by an edge that has not forwarded it yet), r2 failed,
+    # r3 and r4 closed, r5 open; in "other", r6 closed
+    store.create_population("other")
+    mirrors = mirrors_lib.Mirrors(store)
+    r1 = closed_round(rounds, b"one", on_create=lambda tx, r: mirrors.record(
+        tx, protocol.TaskKind.AGGREGATE, 7, r.id))
+    r2 = rounds.stop(open_round(rounds, folder).id, "stopped by the test")
+    r3, r4 = closed_round(rounds, b"three"), closed_round(rounds, b"four")
+    r5 = open_round(rounds, folder)
+    r6 = closed_round(rounds, b"six", population="other")
+    assert [r.state for r in (r1, r2, r3, r4, r5, r6)] == [
+        "closed", "failed", "closed", "closed", "open", "closed"]
+    # act
+    assert rounds.sweep_aggregates() == 1
+    # assert: r2's is deleted (two later rounds ended), r1's kept until it is forwarded
+    with pytest.raises(protocol.Gone, match=f"round {r2.id}'s deleted") as e:
+        rounds.aggregate(r2.id)
+    assert e.value.reason == "deleted" and rounds.aggregate_value(r2.id)[1] is None
+    assert [rounds.aggregate(r.id)[1] for r in (r1, r3, r4, r6)] == [
+        b"eno", b"eerht", b"ruof", b"xis"]
+    assert rounds.aggregate(r5.id)[1] == folder.empty()
+    (m,) = mirrors.all()
+    mirrors.finish(m, "accepted")
+    assert rounds.sweep_aggregates() == 1
+    with pytest.raises(protocol.Gone):
+        rounds.aggregate(r1.id)
+    r7 = closed_round(rounds, b"seven")  # r3's turn: two later rounds closed
+    assert rounds.sweep_aggregates() == 1
+    assert rounds.aggregate_value(r3.id)[1] is None
+    assert [rounds.aggregate(r.id)[1] for r in (r4, r7, r6)] == [b"ruof", b"neves", b"xis"]
+
+
+def stored_bytes(store):
+    with store.transaction() as tx:
+        return int(tx.one("SELECT COALESCE(SUM(size), 0) FROM value_heads")[0])
+
+
+def test_ten_rounds_of_a_model_take_a_few_times_its_size_not_ten(rounds, store, token, clock):
+    # A model of S bytes: each round uploads it (its broadcast) and writes an aggregate of
+    # 2 S (float64); the driver opens a round a minute, and blobs are kept a minute.
+    size = 4 << 20
+    store.blob_grace = 60.0
+    for _ in range(10):
+        closed_round(rounds, os.urandom(2 * size), broadcast=os.urandom(size))
+        clock.now += 61
+        rounds.sweep()
+    # the aggregates of the 2 latest rounds, and the latest model (30 S kept otherwise)
+    assert stored_bytes(store) <= 5 * size + 100
+    if store.dialect.name == "sqlite":  # and the file shrank as they went
+        path = store.dialect.path
+        with sqlite3.connect(path) as conn:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        on_disk = os.path.getsize(path) + os.path.getsize(path + "-wal")
+        assert on_disk <= 8 * size, f"{on_disk / size:.1f} times the model's size"

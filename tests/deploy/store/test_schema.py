@@ -2,14 +2,16 @@
 on SQLite and on PostgreSQL (`db_url` runs each test on both)."""
 
 import contextlib
+import os
 
 import pytest
 
+from fedlang.deploy import protocol
 from fedlang.deploy.store import edges as edges_lib
 from fedlang.deploy.store import metrics as metrics_lib
 from fedlang.deploy.store import mirrors as mirrors_lib
 from fedlang.deploy.store import rounds as rounds_lib
-from fedlang.deploy.store import schema, sql
+from fedlang.deploy.store import schema, sql, values
 from fedlang.deploy.store import sessions as sessions_lib
 from fedlang.deploy.store import store as store_lib
 
@@ -294,3 +296,35 @@ def test_a_version_11_database_keeps_its_edges_shares_batches_and_mirrors(db_url
         store.close()
     with raw(db_url) as tx, pytest.raises(Exception):  # noqa: B017 (the old tables are gone)
         tx.one("SELECT COUNT(*) FROM edge_shares")
+
+
+def test_a_version_12_database_keeps_its_blobs_and_aggregates_in_chunks(db_url):
+    # arrange: as version 12 left it, a blob of several chunks, a small one, and a
+    # round's aggregate, each whole in its row
+    big, small = os.urandom(2 * values.CHUNK + 5), b"signed plan"
+    store = store_lib.Store(db_url)
+    store.create_population("pop")
+    h_big, h_small = store.put_blob(big), store.put_blob(small)
+    rounds = rounds_lib.Rounds(store)
+    r = rounds.create("pop", h_small, h_big, rounds_lib.CohortOptions(1), b"aggregate bytes")
+    store.close()
+    with raw(db_url) as tx:
+        as_version(tx, 12)
+        assert bytes(tx.one_binary("SELECT data FROM blobs WHERE hash = ?", (h_big,))[0]) == big
+    # act
+    store = store_lib.Store(db_url)
+    try:
+        # assert: the same bytes, now in chunks, and the old columns gone
+        assert stored_version(db_url) == str(schema.VERSION).encode()
+        assert store.get_blob(h_big) == big and store.get_blob(h_small) == small
+        assert store.open_blob(h_big).chunks == 3
+        assert rounds_lib.Rounds(store).aggregate(r.id)[1] == b"aggregate bytes"
+        with store.transaction() as tx:
+            assert tx.one("SELECT COUNT(*) FROM value_chunks")[0] == 5
+            for table in ("blobs", "aggregates"):
+                with pytest.raises(Exception):  # noqa: B017 (each dialect raises its own)
+                    tx.one(f"SELECT data FROM {table}")
+        assert store.put_blob(b"new") and store.has_blob(protocol.blob_hash(b"new"))
+    finally:
+        store.close()
+    store_lib.Store(db_url).close()  # a migrated database opens as any other

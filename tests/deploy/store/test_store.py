@@ -1,10 +1,15 @@
 """What every mode of the task store shares (populations, clients, blobs, metadata), on
 SQLite and on PostgreSQL (`db_url` runs each test on both)."""
 
+import os
+
 import pytest
 
 from fedlang.deploy import protocol
+from fedlang.deploy.store import rounds as rounds_lib
+from fedlang.deploy.store import sessions as sessions_lib
 from fedlang.deploy.store import store as store_lib
+from fedlang.deploy.store import values
 
 
 def test_enrollment_needs_the_population_token_and_credentials_expire(store, token, clock):
@@ -31,6 +36,87 @@ def test_blobs_are_content_addressed(store):
     assert store.get_blob(h) == b"abc" and store.has_blob(h)
     with pytest.raises(protocol.NotFound):
         store.get_blob("0" * 64)
+
+
+def chunk_rows(store):
+    with store.transaction() as tx:
+        return tx.one("SELECT COUNT(*) FROM value_chunks")[0], tx.one(
+            "SELECT COUNT(*) FROM value_heads")[0]
+
+
+def test_a_blob_of_several_chunks_is_stored_as_it_arrives_and_read_in_ranges(store):
+    data = os.urandom(2 * values.CHUNK + 12345)
+    parts = (data[i : i + 100_000] for i in range(0, len(data), 100_000))
+    h, size = store.put_blob_stream(parts, size=len(data))
+    assert (h, size) == (protocol.blob_hash(data), len(data))
+    assert store.get_blob(h) == data and chunk_rows(store) == (3, 1)
+    value = store.open_blob(h)
+    assert (value.size, value.sha256) == (len(data), h)
+    start = values.CHUNK - 10
+    assert b"".join(values.chunks(store, value, start)) == data[start:]
+    assert store.put_blob_stream([data]) == (h, len(data))  # stored again: nothing new
+    assert chunk_rows(store) == (3, 1)
+    with pytest.raises(protocol.NotFound, match="stored blob"):
+        store.open_blob("0" * 64)
+
+
+def test_a_blob_is_invisible_until_it_arrived_whole_and_a_cut_one_leaves_nothing(store):
+    data = os.urandom(values.CHUNK + 10)
+    h = protocol.blob_hash(data)
+    writer = store.blob_writer(len(data))
+    writer.write(data[:-7])
+    assert chunk_rows(store) == (1, 1)  # its first chunk, staged ...
+    assert not store.has_blob(h)  # ... and no blob yet
+    writer.write(data[-7:])
+    assert writer.commit() == h and store.get_blob(h) == data
+
+    def cut():
+        yield data[:values.CHUNK]
+        yield data[values.CHUNK:]
+        raise ConnectionError("the upload was cut off")
+
+    other = os.urandom(2 * values.CHUNK)
+    with pytest.raises(ConnectionError):
+        store.put_blob_stream(cut())
+    with pytest.raises(protocol.BadRequest, match=f"blob of {len(other) + 1} bytes, found"):
+        store.put_blob_stream([other], size=len(other) + 1)
+    with pytest.raises(protocol.BadRequest, match=f"blob of {len(other) - 1} bytes, found more"):
+        store.put_blob_stream([other], size=len(other) - 1)
+    assert chunk_rows(store) == (2, 1)  # the first blob's only
+
+
+def test_an_upload_stalled_past_the_sweep_is_refused_never_stored_half(store, clock):
+    writer = store.blob_writer()
+    writer.write(os.urandom(values.CHUNK + 5))
+    clock.now += store.staged_grace + 1
+    assert store.sweep_values() == 1
+    with pytest.raises(protocol.Timeout, match="send it again"):
+        writer.commit()
+    assert chunk_rows(store) == (0, 0)
+
+
+def test_blobs_no_task_needs_are_swept_once_their_grace_ended(store, clock):
+    # arrange: a round's plan and broadcast, a session's plan and weights, a blob nothing names
+    rounds = rounds_lib.Rounds(store)
+    store.create_population("pop")
+    plan, broadcast, loose = (store.put_blob(b) for b in (b"plan", b"broadcast", b"loose"))
+    r = rounds.create("pop", plan, broadcast, rounds_lib.CohortOptions(1), b"")
+    weights = store.put_blob(b"weights")
+    sessions = sessions_lib.Sessions(store)
+    s = sessions.create("pop", plan, weights, version=0, buffer_size=2, max_staleness=1)
+    # act, assert: kept for the grace after their last upload, and while a task names them
+    clock.now += store.blob_grace - 1
+    store.put_blob(b"loose")  # uploaded again: refreshed
+    clock.now += 2
+    assert store.sweep_values() == 0  # the tasks are open; the loose blob refreshed
+    clock.now += store.blob_grace
+    assert store.sweep_values() == 1 and not store.has_blob(loose)
+    rounds.stop(r.id, "stopped by the test")
+    assert store.sweep_values() == 1 and not store.has_blob(broadcast)  # the plan: the session's
+    sessions.close(s.id)
+    assert store.sweep_values() == 2
+    assert not any(store.has_blob(h) for h in (plan, broadcast, weights))
+    assert chunk_rows(store) == (0, 1)  # the round's aggregate only (empty: no chunk)
 
 
 def test_database_urls_are_checked(tmp_path):

@@ -5,6 +5,7 @@ in), and the status (public)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -16,13 +17,14 @@ from fedlang.core import signing
 from fedlang.deploy import protocol
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.deploy.server import auth as auth_lib
-from fedlang.deploy.server import intake, routing, schemas
 from fedlang.deploy.server import rounds as rounds_routes
+from fedlang.deploy.server import routing, schemas
 from fedlang.deploy.server import sessions as sessions_routes
 from fedlang.deploy.server import state as state_lib
 from fedlang.deploy.server.routing import State
 from fedlang.deploy.store import rounds as rounds_lib
 from fedlang.deploy.store import sessions as sessions_lib
+from fedlang.deploy.store import values
 
 router = fastapi.APIRouter(prefix=protocol.API)
 
@@ -104,11 +106,40 @@ def revoke_client(
 async def upload_blob(
     request: fastapi.Request, auth: auth_lib.Bearer, server: State
 ) -> schemas.BlobOut:
-    """Stores a blob (a plan, a broadcast value) under the SHA-256 of its bytes."""
+    """Stores a blob (a plan, a broadcast value) under the SHA-256 of its bytes, written
+    to the store as it arrives, a chunk at a time (never held whole); it exists once it
+    arrived whole, and nothing of an upload cut off is kept. Above the server's limit
+    (`fedlang serve --max-blob-bytes`) it is refused (413): before a byte is read when
+    its `Content-Length` says so."""
     auth_lib.admin(server, auth)
-    data = await intake.read_limited(request, server.max_blob_bytes)
-    h = await concurrency.run_in_threadpool(server.store.put_blob, data)
-    return schemas.BlobOut(hash=h, size=len(data))
+    limit = server.max_blob_bytes
+    declared = request.headers.get("content-length")
+    size = int(declared) if declared is not None and declared.isdigit() else None
+    if size is not None and size > limit:
+        raise _blob_too_large(limit, str(size))
+    writer = server.store.blob_writer(size)
+    try:
+        buffer = bytearray()  # what arrived, handed to the store a chunk or more at a time
+        async for part in request.stream():
+            if writer.size + len(buffer) + len(part) > limit:
+                raise _blob_too_large(limit, f"at least {writer.size + len(buffer) + len(part)}")
+            buffer += part
+            if len(buffer) >= values.CHUNK:
+                await concurrency.run_in_threadpool(writer.write, buffer)
+                buffer = bytearray()
+        await concurrency.run_in_threadpool(writer.write, buffer)
+        h = await concurrency.run_in_threadpool(writer.commit)
+    except Exception:
+        with contextlib.suppress(Exception):  # (what is left, the tick sweeps)
+            await concurrency.run_in_threadpool(writer.discard)
+        raise
+    return schemas.BlobOut(hash=h, size=writer.size)
+
+
+def _blob_too_large(limit: int, found: str) -> protocol.TooLarge:
+    return protocol.TooLarge(
+        f"Expected a blob of at most {limit} bytes (fedlang serve --max-blob-bytes), "
+        f"found {found}.")
 
 
 @router.post("/admin/edges", status_code=201, tags=["admin"])
@@ -214,10 +245,13 @@ def download_blob(
     auth: auth_lib.Bearer,
     server: State,
     if_none_match: Annotated[str | None, fastapi.Header()] = None,
+    byte_range: routing.Range = None,
+    if_range: routing.IfRange = None,
 ) -> responses.Response:
-    """A blob by hash (immutable: cache it; `If-None-Match` gives 304). The admin reads
-    any blob; a client only those a task of its own population names (404 otherwise,
-    as for a blob that does not exist)."""
+    """A blob by hash (immutable: cache it; `If-None-Match` gives 304), streamed; a
+    `Range` gets a part of it (206: a download cut off resumes). The admin reads any
+    blob; a client only those a task of its own population names (404 otherwise, as
+    for a blob that does not exist)."""
     if not auth_lib.is_admin(server, auth):
         _, population = auth_lib.client(server, auth)
         if not server.store.names_blob(population, blob):
@@ -229,7 +263,8 @@ def download_blob(
         if not server.store.has_blob(blob):
             raise protocol.NotFound(f"Expected the hash of a stored blob, found {blob!r}.")
         return responses.Response(status_code=304, headers={"ETag": f'"{blob}"'})
-    return routing.binary(server.store.get_blob(blob), blob)
+    return routing.binary(server.store, server.store.open_blob(blob), byte_range, if_range,
+                          immutable=True)
 
 
 # -- edges: clients that hold seats for their own clients
@@ -269,16 +304,19 @@ async def edge_tasks(
 
 @router.get("/edge/blobs/{blob}", tags=["edge"], responses=routing.BINARY_RESPONSE,
             response_class=responses.Response)
-def edge_blob(blob: routing.BlobHash, auth: auth_lib.Bearer, server: State) -> responses.Response:
+def edge_blob(blob: routing.BlobHash, auth: auth_lib.Bearer, server: State,
+              byte_range: routing.Range = None, if_range: routing.IfRange = None
+              ) -> responses.Response:
     """A blob a task of the edge's population names (its root-signed plan, its broadcast
-    or weights); 404 for any other."""
+    or weights), streamed (a `Range`: a part of it, 206); 404 for any other."""
     who = auth_lib.edge(server, auth)
     if not server.store.names_blob(who.population, blob):
         raise protocol.NotFound(
             f"Expected the hash of a blob a task of population {who.population!r} names, "
             f"found {blob!r}."
         )
-    return routing.binary(server.store.get_blob(blob), blob)
+    return routing.binary(server.store, server.store.open_blob(blob), byte_range, if_range,
+                          immutable=True)
 
 
 # -- public

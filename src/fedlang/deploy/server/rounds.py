@@ -134,12 +134,14 @@ async def round_status(
 @router.get("/admin/rounds/{round_id}/aggregate", tags=["admin"],
             responses=routing.BINARY_RESPONSE, response_class=responses.Response)
 def round_aggregate(
-    round_id: routing.RoundId, auth: auth_lib.Bearer, server: State
+    round_id: routing.RoundId, auth: auth_lib.Bearer, server: State,
+    byte_range: routing.Range = None, if_range: routing.IfRange = None,
 ) -> responses.Response:
     """The aggregate of a closed round (the binary value format, of the plan's
-    report type): every accepted report folded in."""
+    report type): every accepted report folded in; streamed (a `Range`: a part of it,
+    206). Kept for the latest closed rounds of each population (410 after)."""
     auth_lib.admin(server, auth)
-    r, data = server.rounds.aggregate(round_id)
+    r, value = server.rounds.aggregate_value(round_id)
     if r.state == rounds_lib.FAILED:
         raise protocol.Conflict(r.failure, reason="failed")
     if r.state != rounds_lib.CLOSED:
@@ -147,7 +149,9 @@ def round_aggregate(
             f"Expected a closed round, found round {round_id} open ({r.reports} of "
             f"{r.target} reports); wait for it with GET /v1/admin/rounds/{round_id}?wait=30."
         )
-    return routing.binary(data)
+    if value is None:
+        raise rounds_lib.aggregate_deleted(round_id)
+    return routing.binary(server.store, value, byte_range, if_range)
 
 
 # -- clients

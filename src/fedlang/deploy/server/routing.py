@@ -1,11 +1,12 @@
 """What every route module of the server shares: the server's state as a dependency,
-path parameters, binary bodies and answers, the long poll, and static files for
-browsers (the browser client, the dashboard)."""
+path parameters, binary bodies and answers (stored values streamed, in ranges), the long
+poll, and static files for browsers (the browser client, the dashboard)."""
 
 from __future__ import annotations
 
 import asyncio
 import pathlib
+import re
 import time
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
@@ -17,6 +18,7 @@ from starlette import concurrency
 from fedlang.deploy import protocol
 from fedlang.deploy.server import schemas
 from fedlang.deploy.server import state as state_lib
+from fedlang.deploy.store import values
 
 T = TypeVar("T")
 # The MIME types browsers require of modules and wasm (and the pages' other files).
@@ -43,16 +45,68 @@ BINARY_BODY = {
     }
 }
 BINARY_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {protocol.BINARY: {"schema": {"type": "string", "format": "binary"}}}}
+    200: {"content": {protocol.BINARY: {"schema": {"type": "string", "format": "binary"}}}},
+    206: {"description": "The part of the value its `Range` asks for (`Content-Range`).",
+          "content": {protocol.BINARY: {"schema": {"type": "string", "format": "binary"}}}},
+    416: {"model": schemas.ErrorOut,
+          "description": "A `Range` that starts past the value's end (`Content-Range: bytes */SIZE`)."},
 }
+# A binary answer's `Range` and `If-Range` headers (`binary`).
+Range = Annotated[str | None, fastapi.Header(
+    alias="range", description="`bytes=START-`, `bytes=START-END` or `bytes=-LENGTH`: a part.")]
+IfRange = Annotated[str | None, fastapi.Header(
+    alias="if-range", description="The ETag the part is of (another: the whole value).")]
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 
-def binary(data: bytes, h: str | None = None) -> responses.Response:
-    """A binary answer; `h`: the blob's hash (content-addressed, so cached forever)."""
-    headers = {}
-    if h is not None:
-        headers = {"ETag": f'"{h}"', "Cache-Control": "private, max-age=31536000, immutable"}
-    return responses.Response(data, media_type=protocol.BINARY, headers=headers)
+def binary(
+    store: values.Transactions, value: values.Value, byte_range: str | None = None,
+    if_range: str | None = None, *, immutable: bool = False,
+) -> responses.Response:
+    """A stored value as a binary answer, streamed from its chunks (`values.chunks`: each
+    read on the thread pool as the answer is sent, so a download holds one chunk, never
+    the value), with its length, its ETag (its SHA-256: a blob's hash) and
+    `Accept-Ranges: bytes`. A `byte_range` (the `Range` header: `bytes=START-`,
+    `bytes=START-END`, `bytes=-LENGTH`) gets that part, 206 with `Content-Range` (a
+    download cut off resumes), or 416 when it starts past the end; one of another form
+    (several ranges, other units) and one whose `If-Range` names another ETag get the
+    whole. `immutable`: content-addressed (a blob), cached forever."""
+    etag = f'"{value.sha256}"'
+    headers = {"ETag": etag, "Accept-Ranges": "bytes"}
+    if immutable:
+        headers["Cache-Control"] = "private, max-age=31536000, immutable"
+    part = None if byte_range is None or if_range not in (None, etag) else _span(
+        byte_range, value.size)
+    if part == ():
+        return responses.JSONResponse(
+            {"detail": f"Expected a range that starts within the value's {value.size} bytes, "
+                       f"found {byte_range!r}; ask for `bytes=START-` with START below "
+                       f"{value.size}.", "reason": "range"},
+            status_code=416, headers={**headers, "Content-Range": f"bytes */{value.size}"})
+    start, stop = part or (0, value.size)
+    headers["Content-Length"] = str(stop - start)
+    if part:
+        headers["Content-Range"] = f"bytes {start}-{stop - 1}/{value.size}"
+    return responses.StreamingResponse(
+        values.chunks(store, value, start, stop), status_code=206 if part else 200,
+        media_type=protocol.BINARY, headers=headers)
+
+
+def _span(byte_range: str, size: int) -> tuple[int, int] | tuple[()] | None:
+    """The bytes `start:stop` a `Range` header asks of a value of `size` bytes; `()`
+    when it cannot be satisfied; None for a header to ignore (not one range of bytes)."""
+    match = _RANGE.fullmatch(byte_range.strip())
+    if match is None or match[1] == match[2] == "":
+        return None
+    if match[1] == "":  # the last LENGTH bytes
+        length = int(match[2])
+        return (max(0, size - length), size) if length > 0 and size > 0 else ()
+    start = int(match[1])
+    if match[2] != "" and int(match[2]) < start:
+        return None  # END before START: not a valid range, ignored (RFC 9110)
+    if start >= size:
+        return ()
+    return start, size if match[2] == "" else min(int(match[2]) + 1, size)
 
 
 async def long_poll(

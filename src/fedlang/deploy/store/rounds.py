@@ -19,7 +19,9 @@ replay, a second upload, a holder of no seat, a round closed) and taken by the s
 its shards'. A round closes at its target, or at its deadline with at least its quorum
 of reports (below it, it fails): the close merges its shards into its aggregate, and
 counts as dropouts the seats still held without an upload and those its uploads said
-dropped out (`end_round`).
+dropped out (`end_round`). A round's aggregate is a value in chunks (`values`), deleted
+once `KEPT_AGGREGATES` later rounds of its population closed (`Rounds.sweep`, on the
+server's tick, with the blobs no task needs).
 
 A secure round whose SecAgg+ stages run here (`secure.SecureRounds`: a `secure_rounds`
 row) takes its clients' messages stage by stage; one without (its seats held by edges,
@@ -36,7 +38,7 @@ from typing import Any
 
 from fedlang.deploy import protocol
 from fedlang.deploy.plans import folding
-from fedlang.deploy.store import admission, sql
+from fedlang.deploy.store import admission, sql, values
 from fedlang.deploy.store import store as store_lib
 
 OPEN, CLOSED, FAILED = protocol.RoundState
@@ -45,6 +47,13 @@ ASSIGNED = admission.Assignment.ASSIGNED
 # A round whose uploads are folded by the shards and that closes by its count or deadline
 # (`Round.folded`): a plain round, or a secure round with no SecAgg+ stages here.
 FOLDED = "NOT EXISTS (SELECT 1 FROM secure_rounds s WHERE s.round = rounds.id)"
+
+# A population's latest closed rounds whose aggregates are kept (and a failed round's,
+# until as many later rounds ended; older ones are deleted: `Rounds.sweep_aggregates`):
+# the driver reads a round's aggregate as soon as it closes, before the next round.
+KEPT_AGGREGATES = 2
+# Seconds between the sweeps of values no task needs any more (`Rounds.sweep`).
+SWEEP_SECONDS = 10.0
 
 _ROUND_FIELDS = (
     "id, population, kind, state, plan, broadcast, target, capacity, quorum, deadline, created,"
@@ -192,17 +201,49 @@ def end_round(
     tx.count(f"rounds:{state}")
 
 
+def aggregate_value(tx: sql.Tx, round_id: int) -> values.Value | None:
+    """The head of round `round_id`'s aggregate (None: none, or deleted: `KEPT_AGGREGATES`)."""
+    row = tx.one("SELECT value FROM aggregates WHERE round = ?", (round_id,))
+    return None if row is None else values.head(tx, str(row[0]))
+
+
+def read_aggregate(tx: sql.Tx, round_id: int) -> bytes:
+    """Round `round_id`'s aggregate, whole (`values.read`: its SHA-256 checked).
+
+    Raises:
+      Gone: its aggregate was deleted (`KEPT_AGGREGATES`).
+    """
+    value = aggregate_value(tx, round_id)
+    if value is None:
+        raise aggregate_deleted(round_id)
+    return values.read(tx, value)
+
+
+def aggregate_deleted(round_id: int) -> protocol.Gone:
+    """The refusal of a read of round `round_id`'s aggregate, deleted (`KEPT_AGGREGATES`)."""
+    return protocol.Gone(
+        f"Expected the aggregate of one of the latest {KEPT_AGGREGATES} closed rounds of a "
+        f"population, found round {round_id}'s deleted; read an aggregate as soon as its "
+        "round closes.", reason="deleted")
+
+
+def write_aggregate(tx: sql.Tx, round_id: int, data: bytes, reports: int = 0) -> None:
+    """Replaces round `round_id`'s aggregate by `data` (a new value; the old one is
+    deleted) and adds `reports` to its count, in `tx`."""
+    old = tx.one("SELECT value FROM aggregates WHERE round = ?", (round_id,))[0]
+    value = values.write(tx, [data])
+    tx.run("UPDATE aggregates SET value = ?, reports = reports + ? WHERE round = ?",
+           (value.id, reports, round_id))
+    values.delete(tx, str(old))
+
+
 def fold_report(
     tx: sql.Tx, round_id: int, client_id: str, fold: Callable[[bytes], bytes], now: float
 ) -> None:
     """Folds an accepted report into its round's stored aggregate (`fold(aggregate)`),
     marks the client's assignment reported, and counts the report, in `tx` (a secure
     round's plain report, taken with its client's masked input)."""
-    aggregate = bytes(tx.one("SELECT data FROM aggregates WHERE round = ?", (round_id,))[0])
-    tx.run(
-        "UPDATE aggregates SET data = ?, reports = reports + 1 WHERE round = ?",
-        (fold(aggregate), round_id),
-    )
+    write_aggregate(tx, round_id, fold(read_aggregate(tx, round_id)), reports=1)
     tx.run(
         "UPDATE assignments SET state = ?, updated = ? WHERE round = ? AND client = ?",
         (admission.Assignment.REPORTED, now, round_id, client_id),
@@ -303,6 +344,7 @@ class Rounds:
     ):
         self.store = store
         self.folders = folders
+        self._next_sweep = -math.inf
 
     def create(
         self,
@@ -336,8 +378,8 @@ class Rounds:
                  options.capacity, options.minimum, now + options.deadline, now),
             )
             tx.run(
-                "INSERT INTO aggregates (round, data, reports) VALUES (?, ?, 0)",
-                (round_id, empty_aggregate),
+                "INSERT INTO aggregates (round, value, reports) VALUES (?, ?, 0)",
+                (round_id, values.write(tx, [empty_aggregate]).id),
             )
             if on_create is not None:
                 on_create(tx, self.round_in(tx, round_id))
@@ -360,7 +402,7 @@ class Rounds:
         with self.store.transaction() as tx:
             r = self.round_in(tx, round_id)
         if r.state == OPEN and r.deadline <= self.store.clock():
-            self.close_due()
+            self.close_due(sweep=False)
             with self.store.transaction() as tx:
                 r = self.round_in(tx, round_id)
         return r
@@ -372,11 +414,25 @@ class Rounds:
         return [_round_of(row) for row in rows]
 
     def aggregate(self, round_id: int) -> tuple[Round, bytes]:
-        """A round's row and its current aggregate."""
+        """A round's row and its current aggregate, whole.
+
+        Raises:
+          NotFound: no such round.
+          Gone: its aggregate was deleted (`KEPT_AGGREGATES`).
+        """
         with self.store.transaction() as tx:
-            r = self.round_in(tx, round_id)
-            data = bytes(tx.one("SELECT data FROM aggregates WHERE round = ?", (round_id,))[0])
-        return r, data
+            return self.round_in(tx, round_id), read_aggregate(tx, round_id)
+
+    def aggregate_value(self, round_id: int) -> tuple[Round, values.Value | None]:
+        """A round's row and the head of its current aggregate, to read it in chunks
+        (`values.chunks`); None once deleted (`KEPT_AGGREGATES`). The aggregate of a
+        round that ended is never written again.
+
+        Raises:
+          NotFound: no such round.
+        """
+        with self.store.transaction() as tx:
+            return self.round_in(tx, round_id), aggregate_value(tx, round_id)
 
     def _close(self, tx: sql.Tx, r: Round, now: float) -> None:
         """Closes (or fails) an open round whose target is met or whose deadline passed
@@ -420,7 +476,7 @@ class Rounds:
                 f"Expected the rounds' folders to merge round {r.id}'s shards, found none; "
                 "make Rounds(store, folders) as the server does."
             )
-        aggregate = bytes(tx.one("SELECT data FROM aggregates WHERE round = ?", (r.id,))[0])
+        aggregate = read_aggregate(tx, r.id)
         count = sum(int(row[1]) for row in rows)
         failure = ""
         try:
@@ -429,10 +485,7 @@ class Rounds:
             merged = aggregate
             failure = (f"Round {r.id} failed: the partial aggregates of its server processes "
                        f"overflow when merged ({e}); clients must clip their values further.")
-        tx.run(
-            "UPDATE aggregates SET data = ?, reports = reports + ? WHERE round = ?",
-            (merged, count, r.id),
-        )
+        write_aggregate(tx, r.id, merged, reports=count)
         tx.run("UPDATE rounds SET reports = reports + ? WHERE id = ?", (count, r.id))
         tx.run("DELETE FROM aggregate_shards WHERE round = ?", (r.id,))
         return failure
@@ -461,10 +514,11 @@ class Rounds:
             raise protocol.NotFound(f"Expected an existing round id, found {round_id}.")
         return _round_of(row)
 
-    def close_due(self) -> int:
+    def close_due(self, sweep: bool = True) -> int:
         """Closes or fails the open folded rounds whose deadline passed; returns how many.
         (Secure rounds with stages here close by their stages:
-        `secure.SecureRounds.close_due`.)"""
+        `secure.SecureRounds.close_due`.) The server's tick: with `sweep`, also deletes
+        what no task needs any more, every `SWEEP_SECONDS` (`sweep`)."""
         now = self.store.clock()
         with self.store.transaction() as tx:
             due = [row[0] for row in tx.all(
@@ -476,6 +530,43 @@ class Rounds:
                 r = self.round_in(tx, round_id, lock=True)
                 if r.state == OPEN:
                     self._close(tx, r, now)
+        if sweep and now >= self._next_sweep:
+            self._next_sweep = now + SWEEP_SECONDS
+            self.sweep()
+        return len(due)
+
+    # -- space: the values no task needs any more
+
+    def sweep(self) -> int:
+        """Deletes the values no task needs any more (rounds' aggregates:
+        `sweep_aggregates`; blobs and cut uploads: `Store.sweep_values`), each in a
+        transaction of its own, and gives their space back (`Dialect.reclaim`); returns
+        how many. The server runs it on its tick, every `SWEEP_SECONDS`."""
+        deleted = self.sweep_aggregates() + self.store.sweep_values()
+        self.store.dialect.reclaim()
+        return deleted
+
+    def sweep_aggregates(self) -> int:
+        """Deletes the aggregates no one will read (`KEPT_AGGREGATES`): a closed round's
+        once `KEPT_AGGREGATES` later rounds of its population closed, a failed round's
+        (which only an edge reads, to forward) once as many later rounds ended; never
+        one an edge has still to forward (a pending mirror). Returns how many."""
+        with self.store.transaction() as tx:
+            due = [int(row[0]) for row in tx.all(
+                "SELECT a.round FROM aggregates a JOIN rounds r ON r.id = a.round"
+                " WHERE r.state <> ? AND (SELECT COUNT(*) FROM rounds n WHERE"
+                " n.population = r.population AND n.id > r.id AND (n.state = ?"
+                " OR (r.state = ? AND n.state <> ?))) >= ?"
+                " AND NOT EXISTS (SELECT 1 FROM mirrors m WHERE m.local = r.id"
+                " AND m.kind <> 'buffered' AND m.outcome = '')",
+                (OPEN, CLOSED, FAILED, OPEN, KEPT_AGGREGATES),
+            )]
+        for round_id in due:  # an ended round's aggregate is never written again
+            with self.store.transaction(write=True) as tx:
+                value = tx.one("SELECT value FROM aggregates WHERE round = ?", (round_id,))
+                if value is not None:  # (unless another process deleted it just now)
+                    tx.run("DELETE FROM aggregates WHERE round = ?", (round_id,))
+                    values.delete(tx, str(value[0]))
         return len(due)
 
     # -- check-in

@@ -8,15 +8,18 @@ dialect's column types), at version `VERSION`; the version is kept in `meta` und
 database is at one version or the other, never between.
 
 A new table or column is a new version: add its statement to `TABLES` (for new
-databases) and to `MIGRATIONS[old version]` (for existing ones), and test that a
-database of the old version opens (tests/deploy/store/test_schema.py).
+databases) and to `MIGRATIONS[old version]` (for existing ones: a statement, or a
+function of the transaction where SQL alone cannot say it), and test that a database of
+the old version opens (tests/deploy/store/test_schema.py).
 """
 
 from __future__ import annotations
 
-from fedlang.deploy.store import sql
+from collections.abc import Callable
 
-VERSION = 12
+from fedlang.deploy.store import sql, values
+
+VERSION = 13
 
 BUFFERED_BATCHES = (
     "CREATE TABLE IF NOT EXISTS buffered_batches (session {int} NOT NULL, client TEXT NOT NULL,"
@@ -30,6 +33,14 @@ MIRRORS = (
     " forwarded_through {int} NOT NULL DEFAULT 0, sending_through {int},"
     " outcome TEXT NOT NULL DEFAULT '', updated {real} NOT NULL, PRIMARY KEY (kind, upstream))"
 )
+BLOBS = (
+    "CREATE TABLE IF NOT EXISTS blobs (hash TEXT PRIMARY KEY, size {int} NOT NULL,"
+    " value TEXT NOT NULL, created {real} NOT NULL)"
+)
+AGGREGATES = (
+    "CREATE TABLE IF NOT EXISTS aggregates (round {int} PRIMARY KEY, value TEXT NOT NULL,"
+    " reports {int} NOT NULL)"
+)
 
 TABLES = [
     # What every mode shares (store.py).
@@ -42,8 +53,12 @@ TABLES = [
     "CREATE TABLE IF NOT EXISTS clients (id TEXT PRIMARY KEY, population TEXT NOT NULL,"
     " credential_hash TEXT NOT NULL UNIQUE, created {real} NOT NULL, expires {real} NOT NULL,"
     " last_seen {real} NOT NULL)",
-    "CREATE TABLE IF NOT EXISTS blobs (hash TEXT PRIMARY KEY, size {int} NOT NULL,"
-    " data {blob} NOT NULL, created {real} NOT NULL)",
+    # Content-addressed blobs (store.py): their bytes are a value (`values`); `created`
+    # is when one was last uploaded (uploading it again refreshes it).
+    BLOBS,
+    # Values of any size, in chunks (values.py): a blob's bytes, a round's aggregate.
+    values.HEADS,
+    values.CHUNKS,
     "CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value {int} NOT NULL)",
     # Single-use enrollment tokens, one per device (store.py): hashes; `used` once spent.
     "CREATE TABLE IF NOT EXISTS device_tokens (hash TEXT PRIMARY KEY, population TEXT NOT NULL,"
@@ -77,8 +92,8 @@ TABLES = [
     " stage {int} NOT NULL DEFAULT 0, digest TEXT NOT NULL, size {int} NOT NULL,"
     " accepted {real} NOT NULL, count {int} NOT NULL DEFAULT 1,"
     " dropped {int} NOT NULL DEFAULT 0, PRIMARY KEY (round, client, stage))",
-    "CREATE TABLE IF NOT EXISTS aggregates (round {int} PRIMARY KEY, data {blob} NOT NULL,"
-    " reports {int} NOT NULL)",
+    # A round's aggregate (rounds.py): a value (`values`).
+    AGGREGATES,
     # A plain round's reports folded in memory by each server process (shards.py): one
     # row per round and process (`shard`), its partial aggregate and report count as of
     # its last commit; merged into `aggregates` when the round closes.
@@ -137,9 +152,31 @@ TABLES = [
     " applied {int}, PRIMARY KEY (session, seq), UNIQUE (session, client, version))",
 ]
 
+
+
+def _values_in_chunks(tx: sql.Tx) -> None:
+    """12 -> 13: the bytes of blobs (`blobs.data`) and of rounds' aggregates
+    (`aggregates.data`) become values in chunks (`values`), and their tables name them
+    instead; one row at a time, so the largest is held once."""
+    types = tx.dialect.types
+    tx.run(values.HEADS.format(**types))
+    tx.run(values.CHUNKS.format(**types))
+    for table, made, key, columns in [("blobs", BLOBS, "hash", "size, created"),
+                                      ("aggregates", AGGREGATES, "round", "reports")]:
+        tx.run(f"ALTER TABLE {table} RENAME TO old_{table}")
+        tx.run(made.format(**types))
+        for (k,) in tx.all(f"SELECT {key} FROM old_{table}"):
+            data = tx.one_binary(f"SELECT data FROM old_{table} WHERE {key} = ?", (k,))[0]
+            value = values.write(tx, [data])
+            tx.run(f"INSERT INTO {table} ({key}, {columns}, value) SELECT {key}, {columns}, ?"
+                   f" FROM old_{table} WHERE {key} = ?", (value.id, k))
+        tx.run(f"DROP TABLE old_{table}")
+
+
 # From each version to the next: the statements that bring a database of that version
-# to the next one (both dialects). The tables `TABLES` adds are created afterwards.
-MIGRATIONS: dict[int, list[str]] = {
+# to the next one (both dialects), or a function that does (given the transaction). The
+# tables `TABLES` adds are created afterwards.
+MIGRATIONS: dict[int, list[str | Callable[[sql.Tx], None]]] = {
     # 1 -> 2: the buffered sessions' tables were named `async_*`.
     1: [
         "ALTER TABLE async_sessions RENAME TO buffered_sessions",
@@ -225,6 +262,10 @@ MIGRATIONS: dict[int, list[str]] = {
         "DROP TABLE upstream_rounds",
         "DROP TABLE upstream_sessions",
     ],
+    # 12 -> 13: values in chunks (issue 40): no value is bound by a database's largest
+    # cell. A SQLite database made before keeps its auto_vacuum mode (none): the pages
+    # its old rows held are reused by later writes, the file does not shrink.
+    12: [_values_in_chunks],
 }
 
 
@@ -250,8 +291,11 @@ def install(tx: sql.Tx) -> int:
             f"{stored.decode(errors='replace')}; use a fedlang of that version or a new database."
         )
     for version in range(found, VERSION):
-        for statement in MIGRATIONS[version]:
-            tx.run(statement.format(**types))
+        for step in MIGRATIONS[version]:
+            if callable(step):
+                step(tx)
+            else:
+                tx.run(step.format(**types))
     if found != VERSION:
         tx.run("UPDATE meta SET value = ? WHERE key = 'schema'", (str(VERSION).encode(),))
     for statement in TABLES[1:]:

@@ -381,11 +381,9 @@ class SecureRounds:
         answered: tuple[str, ...],
     ) -> None:
         survivors = server.participants()
-        aggregate = bytes(tx.one("SELECT data FROM aggregates WHERE round = ?", (r.id,))[0])
-        tx.run(
-            "UPDATE aggregates SET data = ? WHERE round = ?",
-            (folder.fold_secure(aggregate, server.result(), len(survivors)), r.id),
-        )
+        aggregate = rounds_lib.read_aggregate(tx, r.id)
+        rounds_lib.write_aggregate(
+            tx, r.id, folder.fold_secure(aggregate, server.result(), len(survivors)))
         self._drop_all_but(tx, r, set(survivors), now)
         # A client whose masked input arrived but who never answered the last stage is in
         # the sum (the others revealed its masks) and still dropped out of the protocol.

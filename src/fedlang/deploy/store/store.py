@@ -3,7 +3,8 @@
 `Store` is the engine (connections, transactions, counters, task rows) with what every
 mode shares about its callers and their data: the admin token, populations and their
 enrolled clients (tokens, device tokens, enrollment, credentials), content-addressed
-blobs, the admin audit log, and pace steering (`Pace`: how long an idle client waits).
+blobs (values in chunks, `values`: written as they arrive, read in ranges, deleted once
+no task needs them), the admin audit log, and pace steering (`Pace`: how long an idle client waits).
 Each mode keeps its own tables on top of it: `rounds.Rounds` (plain rounds, and the rows
 of every round), `secure.SecureRounds` (the SecAgg+ stages of secure rounds) and
 `sessions.Sessions` (buffered FedBuff sessions); `admission` holds the checks all three
@@ -14,6 +15,7 @@ Secrets (tokens, credentials) are kept only as hashes (`secret_hash`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -21,11 +23,11 @@ import os
 import random
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from fedlang.deploy import protocol
-from fedlang.deploy.store import engine, sql
+from fedlang.deploy.store import engine, sql, values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,29 +331,93 @@ class Store(engine.Engine):
             )
         return row[0], row[1]
 
-    # -- blobs
+    # -- blobs: content-addressed, their bytes a value in chunks (`values`)
+
+    # Seconds a blob no task needs is kept after it was last uploaded (`sweep_values`):
+    # the driver uploads a round's blobs just before it opens the round.
+    blob_grace = 600.0
+    # Seconds an upload may stall (nothing written) before its staged chunks are swept.
+    staged_grace = 600.0
 
     def put_blob(self, data: bytes) -> str:
-        """Stores `data` under its hash (content-addressed: storing it again changes nothing)."""
+        """Stores `data` under its hash, in one transaction (content-addressed: storing
+        it again only refreshes it, see `blob_grace`). For a small value; a large one
+        that arrives in parts goes through `blob_writer`."""
         h = protocol.blob_hash(data)
         with self.transaction(write=True) as tx:
-            tx.run(
-                "INSERT INTO blobs (hash, size, data, created) VALUES (?, ?, ?, ?)"
-                " ON CONFLICT (hash) DO NOTHING",
-                (h, len(data), data, self.clock()),
-            )
+            if not _refresh_blob(tx, h, self.clock()):
+                _insert_blob(tx, h, values.write(tx, [data]), self.clock())
         return h
 
-    def get_blob(self, h: str) -> bytes:
+    def blob_writer(self, size: int | None = None) -> BlobWriter:
+        """A blob written as it arrives (an upload), `size` bytes if given (see
+        `BlobWriter`)."""
+        return BlobWriter(self, size)
+
+    def put_blob_stream(self, parts: Iterable[bytes], size: int | None = None) -> tuple[str, int]:
+        """Stores the bytes of `parts` as a blob, written as they come (one chunk held at
+        a time, `BlobWriter`); its hash and size. Nothing is stored if `parts` raises.
+
+        Raises:
+          BadRequest: `size` given and the parts hold another number of bytes.
+        """
+        writer = BlobWriter(self, size)
+        try:
+            for part in parts:
+                writer.write(part)
+            return writer.commit(), writer.size
+        except BaseException:
+            writer.discard()
+            raise
+
+    def open_blob(self, h: str) -> values.Value:
+        """The head of blob `h`'s value, to read it in chunks (`values.chunks(store,
+        value, start, stop)`).
+
+        Raises:
+          NotFound: no such blob.
+        """
         with self.transaction() as tx:
-            row = tx.one("SELECT data FROM blobs WHERE hash = ?", (h,))
-        if row is None:
-            raise protocol.NotFound(f"Expected the hash of a stored blob, found {h!r}.")
-        return bytes(row[0])
+            return _blob_value(tx, h)
+
+    def get_blob(self, h: str) -> bytes:
+        """Blob `h` whole (a plan; a value a caller holds whole anyway), its SHA-256
+        checked (`values.read`).
+
+        Raises:
+          NotFound: no such blob.
+        """
+        with self.transaction() as tx:
+            return values.read(tx, _blob_value(tx, h))
 
     def has_blob(self, h: str) -> bool:
         with self.transaction() as tx:
             return tx.one("SELECT 1 FROM blobs WHERE hash = ?", (h,)) is not None
+
+    def sweep_values(self) -> int:
+        """Deletes the blobs no task needs (below) and the staged chunks of uploads cut
+        off (`staged_grace`), each in a transaction of its own; returns how many.
+
+        A blob is needed while a task that names it is open (a round's plan and
+        broadcast, a buffered session's plan, weights and state), or while an edge has
+        still to forward the round that names it (a pending mirror), and for
+        `blob_grace` seconds after it was last uploaded. (A late report's plan is
+        in the server's memory, `plans.cache`; a client still downloading a round's
+        broadcast when it closes has no use for it.)
+        """
+        now = self.clock()
+        cut = now - self.blob_grace
+        with self.transaction() as tx:
+            due = [str(row[0]) for row in tx.all(
+                f"SELECT hash FROM blobs b WHERE created < ? AND {_UNNEEDED}", (cut,))]
+        for h in due:
+            with self.transaction(write=True) as tx:  # the rules again, the row locked
+                row = tx.one(f"SELECT value FROM blobs b WHERE hash = ? AND created < ?"
+                             f" AND {_UNNEEDED}" + tx.dialect.lock_row, (h, cut))
+                if row is not None:
+                    tx.run("DELETE FROM blobs WHERE hash = ?", (h,))
+                    values.delete(tx, str(row[0]))
+        return len(due) + values.sweep_staged(self, now - self.staged_grace)
 
     def names_blob(self, population: str, h: str) -> bool:
         """Whether a task of `population` names blob `h`: a round's signed plan or
@@ -398,3 +464,104 @@ class Store(engine.Engine):
         keys = ("seq", "at", "method", "path", "status", "remote")
         return [dict(zip(keys, row)) for row in rows]
 
+
+
+# Blob `b` named by no open task (`Store.sweep_values`).
+_UNNEEDED = (
+    "NOT EXISTS (SELECT 1 FROM rounds r WHERE (r.plan = b.hash OR r.broadcast = b.hash)"
+    " AND (r.state = 'open' OR EXISTS (SELECT 1 FROM mirrors m WHERE m.local = r.id"
+    " AND m.kind <> 'buffered' AND m.outcome = '')))"
+    " AND NOT EXISTS (SELECT 1 FROM buffered_sessions s WHERE s.state = 'open'"
+    " AND (s.plan = b.hash OR s.weights = b.hash OR s.server_state = b.hash))"
+)
+
+
+def _refresh_blob(tx: sql.Tx, h: str, now: float) -> bool:
+    """Whether blob `h` is stored (then refreshed: uploaded again now)."""
+    return tx.run("UPDATE blobs SET created = ? WHERE hash = ?", (now, h)) > 0
+
+
+def _insert_blob(tx: sql.Tx, h: str, value: values.Value, now: float) -> None:
+    """Stores blob `h` of `value`, unless a concurrent upload stored it first (then its
+    value is deleted and the blob refreshed)."""
+    if not tx.run("INSERT INTO blobs (hash, size, value, created) VALUES (?, ?, ?, ?)"
+                  " ON CONFLICT (hash) DO NOTHING", (h, value.size, value.id, now)):
+        values.delete(tx, value.id)
+        _refresh_blob(tx, h, now)
+
+
+def _blob_value(tx: sql.Tx, h: str) -> values.Value:
+    row = tx.one("SELECT value FROM blobs WHERE hash = ?", (h,))
+    value = None if row is None else values.head(tx, str(row[0]))
+    if value is None:
+        raise protocol.NotFound(f"Expected the hash of a stored blob, found {h!r}.")
+    return value
+
+
+class BlobWriter:
+    """A blob written as it arrives (an upload): `write` its bytes in parts of any size
+    (each full chunk is stored in a transaction of its own, staged: `values.Staging`),
+    then `commit` (the blob appears whole, in one transaction) or `discard` (nothing of
+    it is left; a process killed meanwhile leaves staged chunks that
+    `Store.sweep_values` deletes).
+
+    Args:
+      store: the task store.
+      size: the blob's size in bytes, if known (an upload's `Content-Length`).
+    """
+
+    def __init__(self, store: Store, size: int | None = None):
+        self.store = store
+        self.expected = size
+        self._staging = values.Staging(store)
+
+    @property
+    def size(self) -> int:
+        """The bytes written so far."""
+        return self._staging.size
+
+    def write(self, data: bytes | bytearray) -> None:
+        """Adds `data` to the blob.
+
+        Raises:
+          BadRequest: more bytes than the size given.
+          Timeout: what was written before was swept (nothing arrived for
+            `Store.staged_grace` seconds).
+        """
+        if self.expected is not None and self.size + len(data) > self.expected:
+            raise protocol.BadRequest(
+                f"Expected a blob of {self.expected} bytes, found more.")
+        with self._stalled():
+            self._staging.write(data)
+
+    def commit(self) -> str:
+        """Stores the blob (or refreshes it, if it was stored before); its hash.
+
+        Raises:
+          BadRequest: fewer bytes than the size given.
+          Timeout: as `write`.
+        """
+        if self.expected is not None and self.size != self.expected:
+            raise protocol.BadRequest(
+                f"Expected a blob of {self.expected} bytes, found {self.size}.")
+        h, now = self._staging.sha256, self.store.clock()
+        with self.store.transaction(write=True) as tx, self._stalled():
+            if _refresh_blob(tx, h, now):
+                values.delete(tx, self._staging.id)
+            else:
+                _insert_blob(tx, h, self._staging.finish(tx), now)
+        return h
+
+    @contextlib.contextmanager
+    def _stalled(self) -> Iterator[None]:
+        try:
+            yield
+        except values.Swept as e:
+            raise protocol.Timeout(
+                f"Expected a blob's bytes to go on arriving, found none for more than "
+                f"{self.store.staged_grace:g} s (what had arrived was deleted); send it "
+                "again.") from e
+
+    def discard(self) -> None:
+        """Deletes what was written of a blob never committed."""
+        self._staging.discard()
