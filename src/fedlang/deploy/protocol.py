@@ -149,7 +149,8 @@ class Conflict(ProtocolError, ValueError):
 
 
 class Gone(ProtocolError, ValueError):
-    """A report for a round that has closed: late reports are refused and counted."""
+    """A report for a round that has closed: late reports are refused and counted (and,
+    with reason `deleted`, a closed round's aggregate no longer kept)."""
 
     status = 410
     reason = "late"
@@ -160,6 +161,13 @@ class TooLarge(ProtocolError, ValueError):
 
     status = 413
     reason = "too_large"
+
+
+class RangeNotSatisfiable(ProtocolError, ValueError):
+    """A part of a value (`Range`) that starts past its end."""
+
+    status = 416
+    reason = "range"
 
 
 class Timeout(ProtocolError):
@@ -195,7 +203,8 @@ class RateLimited(ProtocolError):
 # route). `BufferFull` is not one: only a buffered upload gives it, and clients retry it.
 ERRORS: dict[int, type[ProtocolError]] = {
     e.status: e
-    for e in (BadRequest, Unauthorized, Forbidden, NotFound, Conflict, Gone, TooLarge, Timeout)
+    for e in (BadRequest, Unauthorized, Forbidden, NotFound, Conflict, Gone, TooLarge, Timeout,
+              RangeNotSatisfiable)
 }
 
 

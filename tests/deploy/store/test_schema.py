@@ -208,8 +208,8 @@ def test_a_version_5_database_opens_and_its_open_round_takes_sharded_reports(db_
         rounds = rounds_lib.Rounds(store)
         assert rounds.round(1).reports == 1  # its row's count, and no shards yet
         with store.transaction(write=True) as tx:
-            tx.run("INSERT INTO aggregate_shards (round, shard, data, reports)"
-                   " VALUES (1, 'a', ?, 1)", (b"x",))
+            tx.run("INSERT INTO aggregate_shards (round, shard, value, reports)"
+                   " VALUES (1, 'a', ?, 1)", (values.write(tx, [b"x"]).id,))
         assert rounds.round(1).reports == 2
     finally:
         store.close()

@@ -81,8 +81,8 @@ def binary(
         return responses.JSONResponse(
             {"detail": f"Expected a range that starts within the value's {value.size} bytes, "
                        f"found {byte_range!r}; ask for `bytes=START-` with START below "
-                       f"{value.size}.", "reason": "range"},
-            status_code=416, headers={**headers, "Content-Range": f"bytes */{value.size}"})
+                       f"{value.size}.", "reason": protocol.RangeNotSatisfiable.reason},
+            status_code=protocol.RangeNotSatisfiable.status, headers={**headers, "Content-Range": f"bytes */{value.size}"})
     start, stop = part or (0, value.size)
     headers["Content-Length"] = str(stop - start)
     if part:

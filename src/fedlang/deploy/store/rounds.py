@@ -468,7 +468,7 @@ class Rounds:
     def _merge_shards(self, tx: sql.Tx, r: Round) -> str:
         """Folds the round's shards into its aggregate and its count, and deletes them;
         returns why the round fails ('' if it does not: their sum overflowing fails it)."""
-        rows = tx.all("SELECT data, reports FROM aggregate_shards WHERE round = ?", (r.id,))
+        rows = tx.all("SELECT value, reports FROM aggregate_shards WHERE round = ?", (r.id,))
         if not rows:
             return ""
         if self.folders is None:
@@ -480,7 +480,8 @@ class Rounds:
         count = sum(int(row[1]) for row in rows)
         failure = ""
         try:
-            merged = self.folders(r.plan).merge([aggregate, *(bytes(row[0]) for row in rows)])
+            merged = self.folders(r.plan).merge(
+                [aggregate, *(values.read_id(tx, str(row[0])) for row in rows)])
         except folding.ReportError as e:
             merged = aggregate
             failure = (f"Round {r.id} failed: the partial aggregates of its server processes "
@@ -488,6 +489,8 @@ class Rounds:
         write_aggregate(tx, r.id, merged, reports=count)
         tx.run("UPDATE rounds SET reports = reports + ? WHERE id = ?", (count, r.id))
         tx.run("DELETE FROM aggregate_shards WHERE round = ?", (r.id,))
+        for row in rows:
+            values.delete(tx, str(row[0]))
         return failure
 
     def close_if_done(self, round_id: int) -> None:

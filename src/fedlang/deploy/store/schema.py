@@ -41,6 +41,10 @@ AGGREGATES = (
     "CREATE TABLE IF NOT EXISTS aggregates (round {int} PRIMARY KEY, value TEXT NOT NULL,"
     " reports {int} NOT NULL)"
 )
+SHARDS = (
+    "CREATE TABLE IF NOT EXISTS aggregate_shards (round {int} NOT NULL, shard TEXT NOT NULL,"
+    " value TEXT NOT NULL, reports {int} NOT NULL, PRIMARY KEY (round, shard))"
+)
 
 TABLES = [
     # What every mode shares (store.py).
@@ -95,13 +99,11 @@ TABLES = [
     # A round's aggregate (rounds.py): a value (`values`).
     AGGREGATES,
     # A plain round's reports folded in memory by each server process (shards.py): one
-    # row per round and process (`shard`), its partial aggregate and report count as of
-    # its last commit; merged into `aggregates` when the round closes.
-    "CREATE TABLE IF NOT EXISTS aggregate_shards (round {int} NOT NULL, shard TEXT NOT NULL,"
-    " data {blob} NOT NULL, reports {int} NOT NULL, PRIMARY KEY (round, shard))",
-    # A round's count (`rounds._ROUND_FIELDS`) sums its shards' `reports` from this index:
-    # SQLite stores `data` first, so reading `reports` from the row would walk the whole
-    # blob (1.4 ms per read of an 8 MB shard).
+    # row per round and process (`shard`), its partial aggregate (a value: `values`)
+    # and report count as of its last commit; merged into `aggregates` when the round
+    # closes.
+    SHARDS,
+    # A round's count (`rounds._ROUND_FIELDS`) sums its shards' `reports` from this index.
     "CREATE INDEX IF NOT EXISTS aggregate_shards_reports ON aggregate_shards (round, reports)",
     # Secure rounds (secure.py): the SecAgg+ server state and each stage's requests.
     "CREATE TABLE IF NOT EXISTS secure_rounds (round {int} PRIMARY KEY, stage {int} NOT NULL,"
@@ -155,9 +157,10 @@ TABLES = [
 
 
 def _values_in_chunks(tx: sql.Tx) -> None:
-    """12 -> 13: the bytes of blobs (`blobs.data`) and of rounds' aggregates
-    (`aggregates.data`) become values in chunks (`values`), and their tables name them
-    instead; one row at a time, so the largest is held once."""
+    """12 -> 13: the bytes of blobs (`blobs.data`), of rounds' aggregates
+    (`aggregates.data`) and of their shards (`aggregate_shards.data`) become values in
+    chunks (`values`), and their tables name them instead; one row at a time, so the
+    largest is held once."""
     types = tx.dialect.types
     tx.run(values.HEADS.format(**types))
     tx.run(values.CHUNKS.format(**types))
@@ -171,6 +174,20 @@ def _values_in_chunks(tx: sql.Tx) -> None:
             tx.run(f"INSERT INTO {table} ({key}, {columns}, value) SELECT {key}, {columns}, ?"
                    f" FROM old_{table} WHERE {key} = ?", (value.id, k))
         tx.run(f"DROP TABLE old_{table}")
+    # each process's shard of an open round (the index on it is remade afterwards; a
+    # database from before version 7 has none: the table is made with the missing ones)
+    if not tx.has_table("aggregate_shards"):
+        return
+    tx.run("DROP INDEX IF EXISTS aggregate_shards_reports")
+    tx.run("ALTER TABLE aggregate_shards RENAME TO old_aggregate_shards")
+    tx.run(SHARDS.format(**types))
+    for round_id, shard in tx.all("SELECT round, shard FROM old_aggregate_shards"):
+        data, reports = tx.one_binary("SELECT data, reports FROM old_aggregate_shards"
+                                      " WHERE round = ? AND shard = ?", (round_id, shard))
+        value = values.write(tx, [data])
+        tx.run("INSERT INTO aggregate_shards (round, shard, value, reports) VALUES (?, ?, ?, ?)",
+               (round_id, shard, value.id, reports))
+    tx.run("DROP TABLE old_aggregate_shards")
 
 
 # From each version to the next: the statements that bring a database of that version

@@ -7,8 +7,8 @@ transaction, at a fraction of the cost:
 
 * **a shard per process.** Each server process keeps, for each open round, the running
   aggregate of the reports it accepted in memory (its *shard*: accumulators, never
-  decoded or re-encoded per report) and a row `aggregate_shards (round, shard, data,
-  reports)` holding the shard as of its last commit. Processes never write each other's
+  decoded or re-encoded per report) and a row `aggregate_shards (round, shard, value,
+  reports)` holding the shard (a value in chunks, `values`) as of its last commit. Processes never write each other's
   rows, so several processes on one PostgreSQL take one round's reports in parallel.
 * **group commit.** Requests hand their checked reports to one writer thread per
   process, which takes all that are waiting in one transaction: it admits each
@@ -48,7 +48,7 @@ from typing import Any
 
 from fedlang.deploy import protocol
 from fedlang.deploy.plans import folding
-from fedlang.deploy.store import admission, sql
+from fedlang.deploy.store import admission, sql, values
 from fedlang.deploy.store import rounds as rounds_lib
 
 
@@ -224,12 +224,7 @@ class ReportShards:
             )
             for g in groups.values():
                 if isinstance(g, _Group) and g.taken:
-                    tx.run(
-                        "UPDATE aggregate_shards SET data = ?, reports = reports + ?"
-                        " WHERE round = ? AND shard = ?",
-                        (self.folders(g.round.plan).serialize(self._shards[g.round.id].accumulators),
-                         sum(p.count for p in g.taken), g.round.id, self.shard),
-                    )
+                    self._write_shard(tx, g)
             if taken:
                 tx.count("reports:accepted", sum(p.count for _, p in taken))
         for round_id, g in groups.items():
@@ -286,15 +281,29 @@ class ReportShards:
             self._shards[r.id] = shard
         return shard
 
+    def _write_shard(self, tx: sql.Tx, g: _Group) -> None:
+        """Replaces the shard's row's value by the shard as this batch left it (a new
+        value, in chunks: no cell holds a model-sized aggregate), adding its reports."""
+        old = tx.one("SELECT value FROM aggregate_shards WHERE round = ? AND shard = ?",
+                     (g.round.id, self.shard))[0]
+        data = self.folders(g.round.plan).serialize(self._shards[g.round.id].accumulators)
+        value = values.write(tx, [data])
+        del data
+        tx.run("UPDATE aggregate_shards SET value = ?, reports = reports + ?"
+               " WHERE round = ? AND shard = ?",
+               (value.id, sum(p.count for p in g.taken), g.round.id, self.shard))
+        values.delete(tx, str(old))
+
     def _committed(self, tx: sql.Tx, r: rounds_lib.Round, folder: folding.Folder) -> list[Any]:
         """The shard's accumulators as its row holds them (the row made empty if new)."""
         row = tx.one(
-            "SELECT data FROM aggregate_shards WHERE round = ? AND shard = ?", (r.id, self.shard)
+            "SELECT value FROM aggregate_shards WHERE round = ? AND shard = ?", (r.id, self.shard)
         )
         if row is not None:
-            return folder.accumulators(bytes(row[0]))
+            return folder.accumulators(values.read_id(tx, str(row[0])))
+        value = values.write(tx, [folder.empty()])
         tx.run(
-            "INSERT INTO aggregate_shards (round, shard, data, reports) VALUES (?, ?, ?, 0)",
-            (r.id, self.shard, folder.empty()),
+            "INSERT INTO aggregate_shards (round, shard, value, reports) VALUES (?, ?, ?, 0)",
+            (r.id, self.shard, value.id),
         )
         return folder.accumulators()

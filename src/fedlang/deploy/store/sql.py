@@ -24,6 +24,8 @@ class Dialect:
     read_transactions = True
     # what a query whose result holds large binary values passes to `execute`
     binary_results: dict[str, Any] = {}
+    # a row for each table of that name (`Tx.has_table`)
+    table_query = ""
 
     def connect(self) -> Any:
         raise NotImplementedError
@@ -48,6 +50,7 @@ RECLAIM_PAGES = 4096  # free pages SQLite gives back at a time (`reclaim`): 16 M
 
 class SQLite(Dialect):
     name = "sqlite"
+    table_query = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 
     def __init__(self, path: str):
         self.path = path
@@ -103,6 +106,8 @@ class Postgres(Dialect):
     read_transactions = False
     # bytea as bytes, not as hex text to decode (a large value reads 3x as fast)
     binary_results = {"binary": True}
+    table_query = ("SELECT 1 FROM information_schema.tables WHERE table_schema ="
+                   " current_schema() AND table_name = ?")
 
     def __init__(self, url: str):
         self.url = url
@@ -165,6 +170,10 @@ class Tx:
         """`one`, for a row holding a large binary value (`Dialect.binary_results`)."""
         return self.conn.execute(
             self.dialect.sql(query), params, **self.dialect.binary_results).fetchone()
+
+    def has_table(self, name: str) -> bool:
+        """Whether the database has table `name` (a migration from a version before it)."""
+        return self.one(self.dialect.table_query, (name,)) is not None
 
     def all(self, query: str, params: tuple[Any, ...] = ()) -> list[Any]:
         return list(self.conn.execute(self.dialect.sql(query), params).fetchall())

@@ -47,6 +47,7 @@ import contextlib
 import dataclasses
 import hashlib
 import secrets
+import typing
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
@@ -193,10 +194,26 @@ def read(tx: sql.Tx, value: Value) -> bytes:
     Raises:
       DamagedValue: see `read_chunk` and the module docstring.
     """
-    parts = [read_chunk(tx, value, idx) for idx in range(value.chunks)]
-    data = b"".join(parts)
-    _check_whole(value, hashlib.sha256(data))
-    return data
+    data, digest = bytearray(value.size), hashlib.sha256()  # one buffer: no join of chunks
+    for idx in range(value.chunks):
+        chunk = read_chunk(tx, value, idx)
+        digest.update(chunk)
+        data[idx * value.chunk:idx * value.chunk + len(chunk)] = chunk
+    _check_whole(value, digest)
+    return typing.cast(bytes, data)  # a bytearray: every reader of bytes here takes it
+
+
+def read_id(tx: sql.Tx, value_id: str) -> bytes:
+    """Written value `value_id` whole (`read`), for a row that names it.
+
+    Raises:
+      DamagedValue: no such value (the row names one that was deleted), or see `read`.
+    """
+    value = head(tx, value_id)
+    if value is None:
+        raise DamagedValue(f"Expected stored value {value_id}, found none; the database was "
+                           "changed outside fedlang or damaged.")
+    return read(tx, value)
 
 
 def chunks(store: Transactions, value: Value, start: int = 0,
