@@ -215,3 +215,72 @@ def test_float_sums_of_host_and_cpu_device_chunks_match_exact_sums(as_jax):
     mean.add((cv, weights), 9)
     want = np.tensordot(np.float64(weights), np.float64(values), 1) / np.float64(weights).sum()
     np.testing.assert_allclose(mean.result(), want, rtol=1e-5, atol=1e-6)
+
+
+# One contribution's partial in its values' dtype (`report`): what a deployment client
+# sends; merged, it gives the same bits as the wide `partial()`.
+
+def _sum_family(member):
+    weight = types.TensorType(np.float32)
+    return {
+        "sum": lambda: accumulate.Sum(member, defs.FEDERATED_SUM.empty),
+        "mean": lambda: accumulate.Mean(member, defs.FEDERATED_MEAN.empty),
+        "weighted": lambda: accumulate.WeightedMean(member, weight, defs.FEDERATED_WEIGHTED_MEAN.empty),
+    }
+
+
+def _one(kind, member, rng):
+    leaves = []
+    for lt in structure.leaf_types(member):
+        shape = [d or 0 for d in lt.shape]
+        draw = rng.integers(-9, 9, shape) if np.dtype(lt.dtype).kind == "i" else rng.normal(size=shape) * 1e3
+        leaves.append(np.asarray(draw, lt.dtype))
+    value = structure.unflatten(leaves, member)
+    return (value, np.float32(rng.uniform(0, 7))) if kind == "weighted" else value
+
+
+@pytest.mark.parametrize("kind", ["sum", "mean", "weighted"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_a_report_is_narrow_and_merges_to_the_bits_of_the_wide_partial(kind, dtype):
+    member = types.StructType([("w", types.TensorType(dtype, [4, 3])), ("b", types.TensorType(dtype))])
+    make = _sum_family(member)[kind]
+    client_t = types.StructType([member, types.TensorType(np.float32)]) if kind == "weighted" else member
+    rng = np.random.default_rng(3)
+    narrow, wide = make(), make()
+    for _ in range(6):
+        acc = make()
+        acc.add(_chunk([_one(kind, member, rng)], client_t), 1)
+        assert {np.dtype(lt.dtype) for lt in structure.leaf_types(acc.report_type)} <= {
+            np.dtype(dtype), np.dtype(np.int64), np.dtype(np.float64)}
+        data = serialization.serialize_value(  # as a client sends it
+            structure.to_python(acc.report(), acc.report_type), acc.report_type)
+        narrow.merge(structure.to_internal(
+            serialization.deserialize_value(data, expected_type=acc.report_type), acc.report_type))
+        wide.merge(acc.partial())
+    for a, b in zip(structure.flatten(narrow.partial(), narrow.partial_type),
+                    structure.flatten(wide.partial(), wide.partial_type)):
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+        np.testing.assert_array_equal(a, b)
+    assert (narrow.report_type == narrow.partial_type) == (dtype == np.float64)  # else wider
+
+
+def test_a_report_is_the_partial_where_nothing_is_widened():
+    acc = accumulate.Extremum(POINT, False, defs.FEDERATED_MAX.empty)
+    acc.add(_chunk(_clients(1), POINT), 1)
+    assert acc.report_type == acc.partial_type
+    np.testing.assert_array_equal(acc.report()[0][0], acc.partial()[0][0])
+    total = accumulate.Sum(POINT, defs.FEDERATED_SUM.empty)
+    assert (str(total.report_type), str(total.partial_type)) == (
+        "<a=float32[3],n=int32>", "<a=float64[3],n=int64>")
+
+
+def test_a_report_of_several_contributions_that_would_round_is_refused():
+    acc = accumulate.Sum(F32x3, defs.FEDERATED_SUM.empty)
+    acc.add(_chunk([np.full(3, 1.0, np.float32)], F32x3), 1)
+    acc.add(_chunk([np.full(3, 2.0**-30, np.float32)], F32x3), 1)  # 1 + 2^-30: not a float32
+    with pytest.raises(ValueError, match="one contribution's total"):
+        acc.report()
+    acc = accumulate.Mean(F32x3, defs.FEDERATED_MEAN.empty)
+    acc.merge((np.full(3, 1e39), np.int64(2)))  # beyond float32's range
+    with pytest.raises(ValueError, match=r"tensor 0 of the total \(float32\[3\]\)"):
+        acc.report()

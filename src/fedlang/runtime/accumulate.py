@@ -4,7 +4,10 @@ Each accumulator folds chunk values (see `chunks.py`) into a running partial res
 so aggregating a cohort needs memory for one chunk, not the cohort. The running result
 is also a value of its own (`partial()`, of type `partial_type`) that merges with
 another accumulator's (`merge`): runtimes that aggregate in several places (deployment
-clients and their server, Ray workers) fold clients where they are and merge partials. Results match the
+clients and their server, Ray workers) fold clients where they are and merge partials.
+One contribution's partial also has a narrow form (`report()`, of type `report_type`):
+a sum's totals in the values' own dtype, which a deployment client reports (a float32
+model's update travels as float32); `merge` takes it and widens it. Results match the
 reference semantics in `fedlang.core.intrinsic_defs` (sums of floats are reduced in
 float32 within a chunk and accumulated across chunks in float64); with no clients
 each returns its intrinsic's `empty` value, given by the definition.
@@ -84,7 +87,8 @@ class Accumulator:
 
     `partial()` is the running result as a value of `partial_type`, and `merge(p)` folds
     in another accumulator's partial: `a.merge(b.partial())` then `a.result()` equals
-    one accumulator fed the chunks of both.
+    one accumulator fed the chunks of both. For `b` fed one contribution, `b.report()`
+    (of `report_type`, no wider than its values) merges to the same bits.
     """
 
     def add(self, cv: chunks.ChunkValue, c: int) -> None:
@@ -103,6 +107,23 @@ class Accumulator:
     def merge(self, partial: Partial) -> None:
         raise TypeError(f"{type(self).__name__} cannot be aggregated in parts.")
 
+    @property
+    def report_type(self) -> types.Type:
+        """The type of one contribution's partial (`report()`): `partial_type`, with a
+        sum's totals in the values' own dtype instead of the wide one they accumulate in."""
+        return self.partial_type
+
+    def report(self) -> Partial:
+        """The partial of an accumulator fed one contribution, as a value of
+        `report_type` (what a deployment client reports); `merge` takes it as it takes
+        a `partial()`.
+
+        Raises:
+          ValueError: if the accumulator holds more than one contribution's worth: a
+            total that its values' dtype cannot hold exactly.
+        """
+        return self.partial()
+
 
 class Sum(Accumulator):
     def __init__(self, member: types.Type, empty: Empty):
@@ -115,8 +136,10 @@ class Sum(Accumulator):
         for (x, rep), lt in zip(_leaf_chunks(cv, self.member), self.leaf_types):
             if rep:
                 out.append(np.asarray(x, _acc_dtype(lt.dtype)) * c)
-            elif _host_float(x):  # reduced in its own dtype, as below
-                out.append(np.asarray(np.add.reduce(np.asarray(x), axis=0), _acc_dtype(lt.dtype)))
+            elif _host_float(x):  # reduced in its own dtype, as below; widened when added
+                x = np.asarray(x)
+                # one client's row is its chunk's sum (np.add.reduce would copy it)
+                out.append(x[0] if len(x) == 1 else np.add.reduce(x, axis=0))
             else:
                 out.append(np.asarray(jnp.sum(jnp.asarray(x), axis=0), _acc_dtype(lt.dtype)))
         return out
@@ -125,7 +148,14 @@ class Sum(Accumulator):
         self._add_total(self._chunk_sums(cv, c))
 
     def _add_total(self, sums: chunks.Leaves) -> None:
-        self.total = sums if self.total is None else [a + b for a, b in zip(self.total, sums)]
+        # Into the wide total in place: adding a model-sized chunk allocates no new total
+        # (and a sum in the values' dtype is widened element by element as it is added).
+        if self.total is None:  # a copy: the total is written to, never its inputs
+            wide = structure.leaf_types(_widened(self.member))
+            self.total = [np.array(x, lt.dtype) for x, lt in zip(sums, wide)]
+        else:
+            for t, x in zip(self.total, sums):
+                np.add(t, x, out=t)
 
     def result(self) -> chunks.Internal:
         if self.total is None:
@@ -135,6 +165,8 @@ class Sum(Accumulator):
         )
 
     def _total_value(self) -> chunks.Internal:
+        # The running total's own arrays, not copies (a model-sized partial is read at
+        # once: serialized, checked, sent): later adds change them in place.
         wide = _widened(self.member)
         if self.total is None:
             return structure.unflatten(
@@ -146,6 +178,26 @@ class Sum(Accumulator):
             )
         return structure.unflatten(list(self.total), wide)
 
+    def _report_total(self) -> chunks.Internal:
+        """The total in the values' own dtypes. One contribution's total is exact in
+        them (it was summed in them, then widened: `_chunk_sums`, `WeightedMean.add`);
+        this checks it rather than trusting it, so a report never rounds."""
+        wide = _widened(self.member)
+        leaves = []
+        for i, (x, lt) in enumerate(zip(structure.flatten(self._total_value(), wide),
+                                        self.leaf_types)):
+            x = np.asarray(x)
+            with np.errstate(over="ignore", invalid="ignore"):  # inexact: refused below
+                narrow = np.asarray(x.astype(lt.dtype))
+            if not np.array_equal(narrow.astype(x.dtype), x, equal_nan=x.dtype.kind in "fc"):
+                raise ValueError(
+                    f"Expected one contribution's total, exact in its values' dtype, found "
+                    f"tensor {i} of the total ({lt}) not exact in {np.dtype(lt.dtype).name}; "
+                    "report() is the partial of one contribution: give several as partial()."
+                )
+            leaves.append(narrow)
+        return structure.unflatten(leaves, self.member)
+
     @property
     def partial_type(self) -> types.Type:
         return _widened(self.member)
@@ -153,10 +205,18 @@ class Sum(Accumulator):
     def partial(self) -> Partial:
         return self._total_value()
 
+    @property
+    def report_type(self) -> types.Type:
+        return self.member
+
+    def report(self) -> Partial:
+        return self._report_total()
+
     def merge(self, partial: Partial) -> None:
         self._merge_total(partial)
 
     def _merge_total(self, total: chunks.Internal) -> None:
+        # A report's totals are in the values' dtypes: widened as they are added.
         self._add_total([np.asarray(x) for x in structure.flatten(total, _widened(self.member))])
 
 
@@ -183,6 +243,13 @@ class Mean(Sum):
 
     def partial(self) -> Partial:
         return (self._total_value(), np.int64(self.count))
+
+    @property
+    def report_type(self) -> types.Type:
+        return _struct(total=self.member, count=_INT64)
+
+    def report(self) -> Partial:
+        return (self._report_total(), np.int64(self.count))
 
     def merge(self, partial: Partial) -> None:
         total, count = partial
@@ -235,6 +302,13 @@ class WeightedMean(Sum):
 
     def partial(self) -> Partial:
         return (self._total_value(), np.float64(self.weight_total))
+
+    @property
+    def report_type(self) -> types.Type:
+        return _struct(total=self.member, weight=_FLOAT64)
+
+    def report(self) -> Partial:
+        return (self._report_total(), np.float64(self.weight_total))
 
     def merge(self, partial: Partial) -> None:
         total, weight = partial

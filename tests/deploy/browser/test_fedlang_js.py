@@ -184,9 +184,9 @@ async ([population, token, x, y]) => {
     if (!task) await new Promise((r) => setTimeout(r, 50));
   }
   const honest = await (await c.task(task.plan)).run(await c.blob(task.broadcast), data);
-  const nan = honest.slice();  // the honest report with its first float64 set to NaN
+  const nan = honest.slice();  // the honest report with its first float32 set to NaN
   const view = new DataView(nan.buffer);
-  view.setFloat64(11 + view.getUint32(7, true) + 8, NaN, true);
+  view.setFloat32(11 + view.getUint32(7, true) + 8, NaN, true);
   view.setUint32(nan.length - 4, m.crc32(nan.subarray(0, nan.length - 4)), true);
   const uploads = {
     garbage: new TextEncoder().encode('not a report'), empty: new Uint8Array(0),

@@ -12,10 +12,11 @@ browser needs (`browser_task(plan)`), signed with it:
 * `broadcast`: the slots of the broadcast value's tensors, in the value format's order;
   `consts`: slots with constant values; `slots`: each slot's dtype and shape;
 * `report`: how to pre-aggregate, as `execution.run_plan_parts` does: the header of the
-  report in the binary value format, and per tensor of the report where its values come
-  from (`{"slot": s}` converted to the header's dtype, `{"slot": s, "times": w}` the
-  float32 product with the weight in slot `w`, as a weighted mean's total, or
-  `{"value": v}` a count of 1 or a "seen" flag);
+  report in the binary value format (`RoundPlan.report_type`: each total in the model's
+  dtype, float32 for a float32 model, as a Python client reports it), and per tensor of
+  the report where its values come from (`{"slot": s}` converted to the header's dtype,
+  `{"slot": s, "times": w}` the float32 product with the weight in slot `w`, as a
+  weighted mean's total, or `{"value": v}` a count of 1 or a "seen" flag);
 * `state` (only for a task with client state): `name`, the slots the stored state is
   fed to (`inputs`, in the value format's order), the slots of the new state
   (`outputs`, empty when the task does not write it), its `header` in the binary value

@@ -4,7 +4,9 @@ The task is the round plan's federated computation over one client; it runs on t
 simulation runtime, the same local execution as in simulations (so a client whose data
 exceed memory streams it). The client then folds what it feeds each aggregation into
 that aggregation's accumulator and reports the partials, so the server only ever merges
-pre-aggregated values.
+pre-aggregated values. A partial travels in its values' dtype (`Accumulator.report`: a
+float32 model's update as float32, exactly what the accumulator widened); the server
+widens it as it merges.
 
 A task with client state (`plan.state`) also takes the client's state (its stored one,
 or the plan's initial state for a client seen for the first time) and, when it writes
@@ -84,7 +86,9 @@ def run_plan_parts(
             f"The task reads client data {missing}, but this client has {sorted(data)}. Start "
             f"the client with --data {missing[0]}=PATH."
         )
-    value = serialization.deserialize_value(broadcast, expected_type=plan.broadcast_type)
+    # the model as views of the broadcast's bytes (the client keeps those): not held twice
+    value = serialization.deserialize_value(broadcast, expected_type=plan.broadcast_type,
+                                            copy=False)
     own = {name: data[name] for name in plan.data_names}
     ctx = context or simulation.SimulationContext(chunk_size=1)
     new_state = None
@@ -110,7 +114,7 @@ def run_plan_parts(
                 secure.append(flat.astype(np.uint64))
             continue
         acc.add(chunks.stack([x], agg.client_type), 1)
-        partials.append(acc.partial())
+        partials.append(acc.report())  # in the values' dtype: exact for one client
     report_t = plan.report_type
     report = serialization.serialize_value(structure.to_python(tuple(partials), report_t), report_t)
     return ClientReport(report, secure, new_state)

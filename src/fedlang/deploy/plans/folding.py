@@ -1,10 +1,12 @@
 """Folding client reports into a round's aggregate, as the task store's server does.
 
 A client's report is one partial aggregate per aggregation of the round
-(`RoundPlan.report_type`): its own value folded into each aggregation's accumulator. The
-server keeps the round's running aggregate as bytes (in the same database transaction
-that records a report) and folds each accepted report into it; memory never grows with
-the cohort. Reports come from clients the server does not trust, so `check` decodes them
+(`RoundPlan.report_type`): its own value folded into each aggregation's accumulator,
+each tensor in its values' dtype (a float32 model's update as float32). The server
+keeps the round's running aggregate as bytes (in the same database transaction that
+records a report), wider (`RoundPlan.aggregate_type`: sums' totals in float64 or
+int64), and folds each accepted report into it, widening it; memory never grows with
+the cohort. An edge's partial aggregate stands for many reports: it travels wide. Reports come from clients the server does not trust, so `check` decodes them
 with explicit limits and refuses anything that is not exactly one client's well-formed,
 finite contribution.
 """
@@ -56,6 +58,9 @@ class Folder:
         self.report_type = round_plan.report_type
         self.secure = round_plan.secure
         self.plain = tuple(i for i in range(len(round_plan.aggregations)) if i not in self.secure)
+        # What reports held before they travelled in the model's dtype: the aggregate's
+        # own partials. Recognised only to refuse them clearly (`check`).
+        self.wide_report_type = types.StructType([self.aggregate_type.types[i] for i in self.plain])
         # One client adds one row to a growing buffer (`float32[?, ...]`): a report's
         # unknown dimensions hold at most one row each.
         self.max_report_bytes = max_bytes(self.report_type, unknown=1)
@@ -92,11 +97,44 @@ class Folder:
           ReportError: if the report is malformed, of another type, too large, not
             finite, or not exactly one client's contribution.
         """
-        value = structure.to_internal(
-            read_report(report, self.report_type, unknown=1), self.report_type)
+        try:
+            raw = read_report(report, self.report_type, unknown=1)
+        except ReportError as e:
+            if e.reason == "malformed":
+                self._refuse_wide(report, e)
+            raise
+        value = structure.to_internal(raw, self.report_type)
         for i, partial, t in zip(self.plain, value, self.report_type.types):
             _check_one_client(partial, t, f"aggregation {i} ({self.plan.aggregations[i].uri})")
         return value
+
+    def _refuse_wide(self, report: bytes, error: ReportError) -> None:
+        """Refuses a report in the wide format (`wide_report_type`), naming the tensors
+        whose dtype differs; returns for anything else (`error` then stands).
+
+        Raises:
+          ReportError: `malformed`, if `report` is of `wide_report_type`.
+        """
+        wide = self.wide_report_type
+        if wide == self.report_type:
+            return
+        try:
+            decode(report, wide, max_bytes(wide, unknown=1), "a report")
+        except ReportError:
+            return
+        differ = [
+            f"{path} is {got}, not {want}"
+            for path, want, got in zip(self.report_paths, structure.leaf_types(self.report_type),
+                                       structure.leaf_types(wide))
+            if want != got
+        ]
+        more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+        raise ReportError(
+            "Expected a report with each tensor in the model's dtype, found one in the wide "
+            f"format of older clients: {'; '.join(differ[:3])}{more}. Update the client: the "
+            "wide totals live on the server only.",
+            reason="malformed",
+        ) from error
 
     def leaves(self, report: Any) -> dict[str, Any]:
         """A checked report's leaves by path (`RoundPlan.report_paths`), for `bounds`."""
@@ -324,9 +362,12 @@ def read_report(report: bytes, t: types.Type, unknown: int = 1 << 20) -> Any:
 
 def decode(data: bytes, t: types.Type, limit: int | None, what: str) -> Any:
     """`deserialize_value(data)` of type `t` (at most `limit` tensor bytes), or a
-    `ReportError` naming `what` was expected."""
+    `ReportError` naming `what` was expected. Its tensors are views of `data`, not
+    copies: what is decoded here is checked and folded, never kept or written to (an
+    accumulator copies what it merges first), so a report is held once."""
     try:
-        return serialization.deserialize_value(data, expected_type=t, max_bytes=limit)
+        return serialization.deserialize_value(data, expected_type=t, max_bytes=limit,
+                                               copy=False)
     except serialization.SerializationError as e:
         raise ReportError(f"Expected {what} of type {t}: {e}") from e
 

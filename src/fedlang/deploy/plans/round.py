@@ -25,8 +25,10 @@ does (lazily, aggregations in waves); each wave becomes a round on real clients
   (`bounds.ReportBounds`) and checked by the server for every report.
 
 A client runs the task on its own data, folds each `x_i` into its aggregation's
-accumulator (`runtime.accumulate`) and reports the partials; the server merges the
-partials of every report (`folding.Folder`).
+accumulator (`runtime.accumulate`) and reports the partials, each tensor in its values'
+dtype (`report_type`: a float32 model's update travels as float32); the server merges
+the partials of every report into its wider aggregate (`aggregate_type`, totals in
+float64 or int64; `folding.Folder`).
 
 Plans serialize to JSON with the project's binary format embedded (base64), and are
 signed by the server before clients see them.
@@ -157,11 +159,13 @@ class RoundPlan:
 
     @property
     def report_type(self) -> types.StructType:
-        """The type of one client's plain report: the partials of the aggregations that
-        are not secure (a secure one's input travels masked, see `secure_segments`)."""
+        """The type of one client's plain report: the partial of its one value for each
+        aggregation that is not secure (a secure one's input travels masked, see
+        `secure_segments`), in the narrow form (`Accumulator.report_type`): each tensor
+        in the model's dtype, the wide totals living only in the server's aggregate."""
         secure = set(self.secure)
         return types.StructType(
-            [t for i, t in enumerate(self.aggregate_type.types) if i not in secure]
+            [a.make().report_type for i, a in enumerate(self.aggregations) if i not in secure]
         )
 
     @property

@@ -385,7 +385,8 @@ export class BrowserTask {
     }
   }
 
-  // The report: each tensor from its recipe, in the header's dtype (as run_plan_parts).
+  // The report: each tensor from its recipe, in the header's dtype (as run_plan_parts):
+  // the model's dtype for a sum's total (float32 for a float32 model), not a wider one.
   report(slots) {
     const { header, leaves } = this.description.report;
     const dtypes = [];
