@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -182,9 +182,21 @@ def _l2(arrays: Any) -> float:
     total = 0.0
     with np.errstate(over="ignore", invalid="ignore"):
         for a in arrays:
-            x = np.asarray(a, np.float64).ravel()
-            total += float(np.einsum("i,i->", x, x))
+            for part in slices(a):  # widened a slice at a time: no float64 copy of a model
+                x = np.asarray(part, np.float64)
+                total += float(np.einsum("i,i->", x, x))
     return math.sqrt(total) if total < math.inf else math.inf
+
+
+SLICE = 1 << 20  # elements a check takes at a time (8 MB widened to float64)
+
+
+def slices(a: Any) -> Iterator[np.ndarray]:
+    """The elements of array `a`, flat, as views of at most `SLICE` elements: for checks
+    that would otherwise make a temporary array the size of a model's update."""
+    x = np.asarray(a).reshape(-1)
+    for start in range(0, max(x.size, 1), SLICE):
+        yield x[start:start + SLICE]
 
 
 def leaf_paths(t: types.Type, top: Sequence[str] | None = None) -> list[str]:
