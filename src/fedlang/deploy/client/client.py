@@ -49,8 +49,8 @@ import logging
 import os
 import pathlib
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from fedlang.core import signing
 from fedlang.deploy import protocol, secagg
@@ -61,6 +61,7 @@ from fedlang.deploy.plans import cache, execution
 from fedlang.deploy.plans import round as plan_lib
 
 log = logging.getLogger("fedlang.deploy.client")
+T = TypeVar("T")
 # The blobs a client keeps: a plan and a broadcast per round, a few rounds of small ones.
 _KEPT_BLOBS, _KEPT_BLOB_BYTES = 8, 64 << 20
 
@@ -167,16 +168,21 @@ class Client:
         return doc["client_id"]
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """A request with the credential; enrolls (again) when it is missing or refused."""
+        """A request with the credential (`_authorized`)."""
+        return self._authorized(lambda credential: self.connection.request(
+            method, path, token=credential, **kwargs))
+
+    def _authorized(self, send: Callable[[str | None], T]) -> T:
+        """`send(credential)`; enrolls (again) when the credential is missing or refused."""
         if self.credential is None:
             self.enroll()
         try:
-            return self.connection.request(method, path, token=self.credential, **kwargs)
+            return send(self.credential)
         except protocol.Unauthorized:
             if self.token is None:
                 raise
             self.enroll()
-            return self.connection.request(method, path, token=self.credential, **kwargs)
+            return send(self.credential)
 
     # -- the loop
 
@@ -354,24 +360,12 @@ class Client:
         broadcast, read once a round) pushes out all but itself, so a client holds at
         most one model-sized blob."""
         if h not in self._blobs:
-            if self.credential is None:
-                self.enroll()
-            try:
-                data = self._download(h)
-            except protocol.Unauthorized:
-                if self.token is None:
-                    raise
-                self.enroll()
-                data = self._download(h)
-            self._blobs[h] = data
+            self._blobs[h] = self._authorized(lambda credential: self.connection.download(
+                f"{protocol.API}/blobs/{h}", token=credential, expected_hash=h))
             while len(self._blobs) > 1 and (len(self._blobs) > _KEPT_BLOBS or sum(
                     len(b) for b in self._blobs.values()) > _KEPT_BLOB_BYTES):
                 self._blobs.pop(next(iter(self._blobs)))
         return self._blobs[h]
-
-    def _download(self, h: str) -> bytes:
-        return self.connection.download(
-            f"{protocol.API}/blobs/{h}", token=self.credential, expected_hash=h)
 
     def _plan(self, h: str) -> plan_lib.RoundPlan:
         """The verified round plan in blob `h`."""

@@ -160,16 +160,10 @@ class Connection:
                         f"{start}.")
                 if total is not None and len(data) != total:
                     data = bytearray(total)  # one buffer of the value's size, filled below
-                view = memoryview(data)
                 for chunk in resp.iter_bytes():
-                    if got + len(chunk) > len(data):  # a size not announced: grow
-                        view.release()
-                        data.extend(bytes(got + len(chunk) - len(data)))
-                        view = memoryview(data)
-                    view[got:got + len(chunk)] = chunk
+                    data[got:got + len(chunk)] = chunk  # in place (past the end: grows)
                     digest.update(chunk)
                     got += len(chunk)
-                view.release()
                 if total is None or got == total:
                     del data[got:]
                     break

@@ -183,9 +183,7 @@ async def read_limited(request: fastapi.Request, limit: int | Limit) -> bytes:
     async for chunk in request.stream():
         if size + len(chunk) > limit.most:
             raise limit.refuse("more")
-        if size + len(chunk) > len(body):  # undeclared (or more than declared): grow
-            body.extend(bytes(size + len(chunk) - len(body)))
-        body[size:size + len(chunk)] = chunk
+        body[size:size + len(chunk)] = chunk  # in place (past the end, undeclared: grows)
         size += len(chunk)
     del body[size:]
     return typing.cast(bytes, body)  # a bytearray: every reader of bytes here takes it
