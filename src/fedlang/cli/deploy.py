@@ -107,6 +107,9 @@ def serve(
     max_report_bytes: Annotated[str, typer.Option(
         metavar="SIZE", help="The largest upload (a report, an edge's partial aggregate), e.g. 4G (more get 413; a round whose reports may be larger is refused).")]
     = "1G",
+    stream_report_bytes: Annotated[str, typer.Option(
+        metavar="SIZE", help="Reports larger than this (a large model's) are checked as they arrive and stored, then folded when their round closes, never held (0: every report a sum can take).")]
+    = "64M",
 ) -> None:
     """Serve a task store: clients check in for tasks; the driver opens rounds.
 
@@ -134,7 +137,9 @@ def serve(
             db = str(pathlib.Path(temporary.name) / "edge.db")
         try:  # (a pace, limits or sizes that cannot be kept: ValueError)
             sizes = {"max_blob_bytes": parse_size(max_blob_bytes, "--max-blob-bytes"),
-                     "max_report_bytes": parse_size(max_report_bytes, "--max-report-bytes")}
+                     "max_report_bytes": parse_size(max_report_bytes, "--max-report-bytes"),
+                     "stream_report_bytes": parse_size(stream_report_bytes,
+                                                       "--stream-report-bytes")}
             options: dict[str, Any] = dict(
                 pace=store_lib.Pace(checkins_per_second, min_retry, max_retry),
                 credential_ttl=credential_ttl, ssl_keyfile=ssl_keyfile,

@@ -21,6 +21,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -158,6 +162,73 @@ def serialize_value(value: Any, type_spec: Any = None) -> bytes:
     return wire.pack(
         wire.KIND_VALUE, {"types": ctx.types, "type": ctx.type_ref(t), "value": encoded}, ctx.blobs
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseLayout:
+    """Where the tensors of a value lie in its frame, for a type whose leaves are all
+    dense tensors of known shape (a model, its update, a sum's totals): the frame
+    `serialize_value` writes for any value of the type has the same header, so the
+    tensors' places depend on the type only. Lets a reader take a slice of one tensor
+    out of a stored frame, and a writer make a frame a slice at a time (`parts`).
+
+    Attributes:
+      type: the type.
+      header: the frame's header (without its blob count).
+      leaves: the tensors' types, in the order of their blobs.
+      shapes: their shapes.
+      lengths: each tensor's bytes.
+      offsets: where each tensor's bytes begin in the frame.
+      size: the frame's bytes.
+    """
+
+    type: types.Type
+    header: dict[str, Any]
+    leaves: list[types.TensorType]
+    shapes: list[tuple[int, ...]]
+    lengths: list[int]
+    offsets: list[int]
+    size: int
+
+    def parts(self, pieces: Iterable[Iterable[Any]]) -> Iterator[Any]:
+        """The frame of the value whose tensors' bytes are `pieces` (per tensor, its
+        little-endian C-order bytes in pieces of any size), made as it is read: the
+        bytes `serialize_value` writes for that value."""
+        return wire.frame_parts(wire.KIND_VALUE, self.header, list(zip(self.lengths, pieces)))
+
+
+def dense_layout(type_spec: Any) -> DenseLayout:
+    """The `DenseLayout` of a type.
+
+    Raises:
+      TypeError: a leaf is not a dense tensor of known shape and fixed-size dtype.
+    """
+    t = types.to_type(type_spec)
+    leaves: list[types.TensorType] = []
+
+    def encode(x: types.Type) -> Any:
+        if isinstance(x, types.StructType):
+            return [encode(e) for e in x.types]
+        if (not isinstance(x, types.TensorType) or any(d is None for d in x.shape)
+                or types._dtype_name(np.dtype(x.dtype)) not in wire._DTYPES
+                or np.dtype(x.dtype).kind not in "biufc"):
+            raise TypeError(f"Expected dense tensors of known shape in {t}, found {x}.")
+        leaves.append(x)
+        return {"dtype": types._dtype_name(np.dtype(x.dtype)), "shape": list(x.shape),
+                "blob": len(leaves) - 1}
+
+    ctx = wire.EncodeContext()
+    value = encode(t)
+    header = {"types": ctx.types, "type": ctx.type_ref(t), "value": value}
+    head = json.dumps({**header, "blobs": len(leaves)}, separators=(",", ":"),
+                      ensure_ascii=False).encode()
+    shapes = [tuple(int(d or 0) for d in lt.shape) for lt in leaves]
+    lengths = [math.prod(shape) * np.dtype(lt.dtype).itemsize for shape, lt in zip(shapes, leaves)]
+    offsets, at = [], wire.PREFIX.size + len(head)
+    for n in lengths:
+        offsets.append(at + 8)
+        at += 8 + n
+    return DenseLayout(t, header, leaves, shapes, lengths, offsets, at + 4)
 
 
 def deserialize_value(

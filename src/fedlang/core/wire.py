@@ -152,6 +152,150 @@ def pack_parts(kind: int, header: dict[str, Any], blobs: list[Any]) -> list[Any]
     return parts
 
 
+class FrameScanner:
+    """Reads a frame of `kind` as its bytes arrive (`feed`), holding none of its blobs:
+    for a reader that checks a value larger than it may hold (a server taking a model's
+    report). What it reads it hands to its hooks, in order: `header` (the parsed header),
+    then for each blob `blob_start` (its index and length, before any of its bytes) and
+    `blob_data` (its bytes, in pieces of any size: views valid during the call). `finish`
+    checks that the frame ended where its checksum says. A hook refuses by raising; the
+    scanner raises `SerializationError` for malformed framing.
+
+    Attributes:
+      offset: how many bytes were fed so far.
+    """
+
+    def __init__(self, kind: int, max_header: int = 1 << 20):
+        self.kind = kind
+        self.max_header = max_header
+        self.offset = 0
+        self._crc = 0
+        self._pending = bytearray()  # a fixed-size field (prefix, length, header) in part
+        self._need = PREFIX.size  # bytes the current field needs
+        self._state = "prefix"
+        self._blobs = 0
+        self._blob = -1  # the blob being read
+        self._left = 0  # its bytes still to come
+        self._checksum = b""
+
+    # hooks
+    def header(self, header: dict[str, Any]) -> None:
+        """The header, parsed (its `blobs` count checked)."""
+
+    def blob_start(self, index: int, length: int) -> None:
+        """Blob `index` of `length` bytes begins."""
+
+    def blob_data(self, index: int, data: memoryview) -> None:
+        """The next bytes of blob `index`."""
+
+    def feed(self, data: Any) -> None:
+        """Reads the next bytes of the frame."""
+        view = memoryview(data).cast("B")
+        while view:
+            if self._state == "end":
+                raise malformed("the end of the frame after its checksum", "more bytes")
+            if self._state == "data":
+                piece = view[: self._left]
+                self._crc = zlib.crc32(piece, self._crc)
+                self.offset += len(piece)
+                self._left -= len(piece)
+                view = view[len(piece):]
+                self.blob_data(self._blob, piece)
+                if not self._left:
+                    self._next_blob()
+                continue
+            take = view[: self._need - len(self._pending)]
+            self._pending += take
+            self.offset += len(take)
+            view = view[len(take):]
+            if len(self._pending) == self._need:
+                field, self._pending = bytes(self._pending), bytearray()
+                self._field(field)
+
+    def _field(self, data: bytes) -> None:
+        if self._state == "checksum":
+            (crc,) = struct.unpack("<I", data)
+            if crc != self._crc:
+                raise malformed(f"checksum {self._crc:#010x}",
+                                f"{crc:#010x} (truncated or corrupted data)")
+            self._state = "end"
+            return
+        self._crc = zlib.crc32(data, self._crc)
+        if self._state == "prefix":
+            magic, version, found_kind, head_len = PREFIX.unpack(data)
+            if magic != MAGIC:
+                raise malformed(f"fedlang data starting with {MAGIC!r}", repr(magic[:4]))
+            if not 1 <= version <= FORMAT_VERSION:
+                raise malformed(f"format version 1..{FORMAT_VERSION}", f"version {version}")
+            if found_kind != self.kind:
+                raise malformed(f"{_KIND_NAMES[self.kind]} (kind {self.kind})",
+                                _KIND_NAMES.get(found_kind, f"kind {found_kind}"))
+            if head_len > self.max_header:
+                raise malformed(f"a header of at most {self.max_header} bytes",
+                                f"{head_len} bytes")
+            self._state, self._need = "header", head_len
+            if head_len == 0:
+                self._field(b"")
+        elif self._state == "header":
+            try:
+                header = json.loads(data.decode())
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:
+                raise malformed("a UTF-8 JSON header", f"invalid JSON ({e})") from None
+            if not isinstance(header, dict):
+                raise malformed("a JSON object as the header", type(header).__name__)
+            self._blobs = check_int(header.get("blobs"), "the blob count in the header")
+            self.header(header)
+            self._next_blob()
+        elif self._state == "length":
+            (n,) = struct.unpack("<Q", data)
+            self.blob_start(self._blob, n)
+            self._state, self._left = "data", n
+            if n == 0:
+                self._next_blob()
+
+    def _next_blob(self) -> None:
+        self._blob += 1
+        if self._blob < self._blobs:
+            self._state, self._need = "length", 8
+        else:
+            self._state, self._need = "checksum", 4
+
+    def finish(self) -> None:
+        """The frame ended: its checksum was read (and held).
+
+        Raises:
+          SerializationError: the bytes stopped before it.
+        """
+        if self._state != "end":
+            raise malformed("a whole frame", f"its end after {self.offset} bytes "
+                            f"(reading {self._state})")
+
+
+def frame_parts(kind: int, header: dict[str, Any], blobs: list[tuple[int, Any]]) -> Any:
+    """The frame of `pack_parts`, made as it is read: each blob is (its length, an
+    iterable of its bytes in pieces), so a writer produces a value larger than it holds
+    (a model's aggregate, summed a slice at a time). A generator of bytes-like parts;
+    raises `ValueError` if a blob's pieces add up to another length than it declared."""
+    header = {**header, "blobs": len(blobs)}
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    crc = 0
+    for part in (PREFIX.pack(MAGIC, FORMAT_VERSION, kind, len(head)), head):
+        crc = zlib.crc32(part, crc)
+        yield part
+    for length, pieces in blobs:
+        size = struct.pack("<Q", length)
+        crc = zlib.crc32(size, crc)
+        yield size
+        written = 0
+        for piece in pieces:
+            crc = zlib.crc32(piece, crc)
+            written += memoryview(piece).nbytes
+            yield piece
+        if written != length:
+            raise ValueError(f"Expected a blob of {length} bytes, found {written}.")
+    yield struct.pack("<I", crc)
+
+
 def check_bytes(data: Any) -> None:
     """Raises `TypeError` unless `data` is bytes-like (a caller's mistake, not bad data)."""
     # A caller's mistake (not bytes at all) is a TypeError, not malformed data.

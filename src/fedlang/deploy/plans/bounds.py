@@ -151,10 +151,16 @@ class Bounds:
           OutOfBounds: naming the leaf and the bound it breaks.
         """
         for r in self.ranges:
-            x = np.asarray(leaves[r.leaf])
-            if x.size == 0:
-                continue
-            lo, hi = float(x.min()), float(x.max())
+            x = leaves[r.leaf]
+            if isinstance(x, Summary):
+                if x.size == 0:
+                    continue
+                lo, hi = x.low, x.high
+            else:
+                x = np.asarray(x)
+                if x.size == 0:
+                    continue
+                lo, hi = float(x.min()), float(x.max())
             if not (r.low <= lo and hi <= r.high):
                 found = lo if not r.low <= lo else hi
                 raise OutOfBounds(
@@ -182,6 +188,9 @@ def _l2(arrays: Any) -> float:
     total = 0.0
     with np.errstate(over="ignore", invalid="ignore"):
         for a in arrays:
+            if isinstance(a, Summary):
+                total += a.sumsq
+                continue
             for part in slices(a):  # widened a slice at a time: no float64 copy of a model
                 x = np.asarray(part, np.float64)
                 total += float(np.einsum("i,i->", x, x))
@@ -189,6 +198,52 @@ def _l2(arrays: Any) -> float:
 
 
 SLICE = 1 << 20  # elements a check takes at a time (8 MB widened to float64)
+
+
+@dataclasses.dataclass
+class Summary:
+    """What the checks need of a report's leaf that is checked as it arrives, never held
+    whole (a model-sized tensor streamed to storage): how many elements, the least and
+    the greatest, the sum of their squares (in float64), and whether all are finite.
+    `Bounds.check` and the server's finiteness and overflow checks take it in place of
+    the leaf's array."""
+
+    size: int = 0
+    low: float = math.inf
+    high: float = -math.inf
+    sumsq: float = 0.0
+    finite: bool = True
+
+    @staticmethod
+    def of(x: Any) -> Summary:
+        """The summary of a whole array."""
+        summary = Summary()
+        for part in slices(x):
+            summary.add(part)
+        return summary
+
+    def add(self, x: np.ndarray) -> None:
+        """Takes the next elements (a flat array, at most a `SLICE` or so at a time)."""
+        if x.size == 0:
+            return
+        self.size += int(x.size)
+        if x.dtype.kind == "c":
+            self.finite = self.finite and bool(np.isfinite(x).all())
+            x = np.abs(x)
+        elif x.dtype.kind == "f":
+            self.finite = self.finite and bool(np.isfinite(x).all())
+        elif x.dtype.kind == "b":
+            x = x.view(np.uint8)
+        with np.errstate(over="ignore", invalid="ignore"):
+            self.low = min(self.low, float(x.min()))
+            self.high = max(self.high, float(x.max()))
+            wide = np.asarray(x, np.float64)
+            self.sumsq += float(np.einsum("i,i->", wide, wide))
+
+    @property
+    def max_abs(self) -> float:
+        """The largest magnitude of an element (0 for none)."""
+        return max(abs(self.low), abs(self.high)) if self.size else 0.0
 
 
 def slices(a: Any) -> Iterator[np.ndarray]:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from fedlang.core import serialization, structure, types
+from fedlang.core import errors, serialization, structure, types, wire
 from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.runtime import accumulate
@@ -68,6 +68,33 @@ class Folder:
         self.max_partial_bytes = max_bytes(self.partial_type)
         self.bounds = round_plan.bounds or bounds_lib.Bounds()
         self.report_paths = round_plan.report_paths
+        self.report_layout, self.aggregate_layout = self._layouts()
+
+    def _layouts(self) -> tuple[serialization.DenseLayout | None,
+                                serialization.DenseLayout | None]:
+        """The layouts of a report and of the aggregate when a report can be checked as it
+        arrives and folded from storage a slice at a time (`streamable`): every
+        aggregation a sum (`federated_sum`, `_mean`, `_weighted_mean`: each leaf of the
+        aggregate the sum of that leaf of the reports, widened), none secure, every leaf
+        a dense tensor of known shape."""
+        sums = (accumulate.Sum, accumulate.Mean, accumulate.WeightedMean)
+        if self.secure or any(type(a.make()) not in sums for a in self.plan.aggregations):
+            return None, None
+        try:
+            report = serialization.dense_layout(self.report_type)
+            aggregate = serialization.dense_layout(self.aggregate_type)
+        except TypeError:
+            return None, None
+        if [lt.shape for lt in report.leaves] != [lt.shape for lt in aggregate.leaves]:
+            return None, None
+        return report, aggregate
+
+    @property
+    def streamable(self) -> bool:
+        """Whether reports of this round can be taken as they arrive, checked without
+        being held (`scan`), stored, and folded a slice at a time when the round closes
+        (`fold_stored`): a large model's round."""
+        return self.report_layout is not None
 
     def _accumulators(self, aggregate: bytes | None = None) -> list[Any]:
         accumulators = [a.make() for a in self.plan.aggregations]
@@ -292,6 +319,200 @@ class Folder:
         return _count(value, self.aggregate_type)
 
 
+    # -- reports taken as they arrive (a large model's round: `streamable`)
+
+    def scan(self) -> ReportScan:
+        """A check of one client's report fed its bytes as they arrive (`ReportScan`)."""
+        if self.report_layout is None:
+            raise ValueError(f"Expected a round whose reports are sums of dense tensors, "
+                             f"found one of {self.report_type}; check its reports whole.")
+        return ReportScan(self)
+
+    def overflow_limit(self) -> float:
+        """The largest sum of the reports' largest magnitudes (`Scanned.max_abs`) that
+        cannot overflow the aggregate: the least of the greatest values of the report's
+        float dtypes (a float32 total must fit float32). A round whose stored reports'
+        sum would exceed it refuses the next one (400 `overflow`), conservatively:
+        without reading the stored reports back."""
+        floats = [float(np.finfo(lt.dtype).max) for lt in structure.leaf_types(self.report_type)
+                  if np.dtype(lt.dtype).kind in "fc"]
+        return min(floats, default=math.inf)
+
+    def fold_stored(self, read: Callable[[Any, int, int], bytes], aggregate: Any,
+                    shards: Sequence[Any], reports: Sequence[Any]) -> Iterator[Any]:
+        """The bytes of the round's aggregate with its shards and stored reports folded
+        in, made a slice of a leaf at a time (`serialization.DenseLayout.parts`): each
+        leaf's slice is the aggregate's, plus each shard's (aggregates too), plus each
+        report's (widened as it is added). `read(handle, start, stop)` gives bytes
+        `start:stop` of a stored frame; `aggregate`, `shards` and `reports` are handles.
+        Folds in the order of `reports` (float sums depend on it).
+
+        Raises:
+          ReportError: `overflow`, if a leaf's sum leaves its range (as `fold_into`).
+        """
+        assert self.report_layout is not None and self.aggregate_layout is not None
+        wide_in = [(h, self.aggregate_layout) for h in (aggregate, *shards)]
+        inputs = wide_in + [(h, self.report_layout) for h in reports]
+        tops = [float(np.finfo(lt.dtype).max) if np.dtype(lt.dtype).kind == "f" else None
+                for lt in self.report_layout.leaves]
+        return self.aggregate_layout.parts(
+            self._leaf_sums(read, k, inputs, tops[k]) for k in range(len(tops)))
+
+    def _leaf_sums(self, read: Callable[[Any, int, int], bytes], k: int,
+                   inputs: Sequence[tuple[Any, serialization.DenseLayout]],
+                   top: float | None) -> Iterator[Any]:
+        """Leaf `k` of the folded aggregate, a slice at a time (see `fold_stored`)."""
+        layout = self.aggregate_layout
+        assert layout is not None
+        wide = np.dtype(layout.leaves[k].dtype).newbyteorder("<")
+        size = math.prod(layout.shapes[k])
+        for start in range(0, size, bounds_lib.SLICE):
+            stop = min(size, start + bounds_lib.SLICE)
+            total = np.zeros(stop - start, wide)
+            for handle, frame in inputs:
+                dtype = np.dtype(frame.leaves[k].dtype).newbyteorder("<")
+                at = frame.offsets[k]
+                data = read(handle, at + start * dtype.itemsize, at + stop * dtype.itemsize)
+                x = np.frombuffer(data, np.uint8 if dtype.kind == "b" else dtype)
+                with np.errstate(all="ignore"):  # checked below
+                    np.add(total, x, out=total, casting="unsafe")
+            if wide.kind in "fc":
+                bound = np.finfo(wide).max if top is None else top
+                with np.errstate(invalid="ignore"):
+                    ok = bool(np.all(np.abs(total) <= bound))
+                if not ok:
+                    raise ReportError(
+                        f"Expected stored reports whose sum stays finite, found leaf {k} of "
+                        "the aggregate overflowing; a client must clip its values before "
+                        "reporting.", reason="overflow")
+            yield total.data.cast("B")
+
+    def empty_parts(self) -> Iterator[Any]:
+        """The bytes of `empty()` made a slice at a time, for a streamable round (a large
+        model's zero aggregate is never held)."""
+        assert self.aggregate_layout is not None
+
+        def zeros(n: int) -> Iterator[bytes]:
+            block = bytes(min(n, 8 * bounds_lib.SLICE))
+            for start in range(0, n, len(block) or 1):
+                yield block[:min(len(block), n - start)]
+
+        return self.aggregate_layout.parts(zeros(n) for n in self.aggregate_layout.lengths)
+
+
+SMALL_LEAF = 1 << 16  # a scanned report's leaves of at most this many bytes are kept whole
+
+
+@dataclasses.dataclass(frozen=True)
+class Scanned:
+    """A client's report checked as it arrived (`ReportScan.result`), not held: its value
+    in internal form, each leaf larger than `SMALL_LEAF` bytes a `bounds.Summary` (the
+    counts and weights are kept whole), and the largest magnitude of its floats."""
+
+    value: Any
+    max_abs: float
+
+
+class ReportScan(wire.FrameScanner):
+    """Checks one client's report of a streamable round (`Folder.scan`) fed its bytes as
+    they arrive, holding one piece of it: its header must be exactly that of the
+    round's report type (`serialization.dense_layout`; each tensor's dtype and shape),
+    each tensor of its length, the frame whole with its checksum; each large tensor is
+    summarised (`bounds.Summary`: for the finiteness check and the plan's bounds) as it
+    passes. `result` then makes the checks `Folder.check` makes.
+
+    Raises (`feed`, `result`):
+      ReportError: `malformed`, or as `Folder.check`.
+    """
+
+    def __init__(self, folder: Folder):
+        super().__init__(wire.KIND_VALUE)
+        assert folder.report_layout is not None
+        self.folder = folder
+        self.layout = folder.report_layout
+        self._leaves: list[bytearray | bounds_lib.Summary] = []
+        self._carry = b""  # an element split between two pieces
+
+    def feed(self, data: Any) -> None:
+        try:
+            super().feed(data)
+        except errors.SerializationError as e:
+            raise ReportError(f"Expected a report of type {self.folder.report_type}: {e}") from e
+
+    def header(self, header: dict[str, Any]) -> None:
+        expected = self.layout.header
+        try:
+            found = wire.DecodeContext(header, []).type(header.get("type"))
+        except errors.SerializationError as e:
+            raise ReportError(f"Expected a report of type {self.layout.type}: {e}") from e
+        if found != self.layout.type or header.get("value") != expected["value"]:
+            raise ReportError(f"Expected a report of type {self.layout.type}, found one of "
+                              f"{found}" + ("" if found != self.layout.type else
+                                            " with tensors of other dtypes or shapes") + ".")
+
+    def blob_start(self, index: int, length: int) -> None:
+        if index >= len(self.layout.lengths) or length != self.layout.lengths[index]:
+            raise ReportError(f"Expected tensor {index} of a report of {self.layout.type} "
+                              f"to hold {self.layout.lengths[index] if index < len(self.layout.lengths) else 0}"
+                              f" bytes, found {length}.")
+        self._leaves.append(bytearray() if length <= SMALL_LEAF else bounds_lib.Summary())
+        self._carry = b""
+
+    def blob_data(self, index: int, data: memoryview) -> None:
+        leaf = self._leaves[index]
+        if isinstance(leaf, bytearray):
+            leaf += data
+            return
+        dtype = np.dtype(self.layout.leaves[index].dtype).newbyteorder("<")
+        if dtype.kind == "b":
+            dtype = np.dtype(np.uint8)
+        if self._carry:  # the element begun in the last piece
+            need = dtype.itemsize - len(self._carry)
+            self._carry += bytes(data[:need])
+            data = data[need:]
+            if len(self._carry) < dtype.itemsize:
+                return
+            leaf.add(np.frombuffer(self._carry, dtype))
+            self._carry = b""
+        whole = len(data) - len(data) % dtype.itemsize
+        x = np.frombuffer(data[:whole], dtype)
+        for start in range(0, x.size, bounds_lib.SLICE):
+            leaf.add(x[start:start + bounds_lib.SLICE])
+        self._carry = bytes(data[whole:])
+
+    def result(self) -> Scanned:
+        """The report, checked as `Folder.check` checks one held whole."""
+        self.finish()
+        leaves: list[Any] = []
+        max_abs = 0.0
+        for leaf, lt, shape in zip(self._leaves, self.layout.leaves, self.layout.shapes):
+            if isinstance(leaf, bounds_lib.Summary):
+                leaves.append(leaf)
+                if np.dtype(lt.dtype).kind in "fc" and leaf.finite:
+                    max_abs = max(max_abs, leaf.max_abs)
+                continue
+            dtype = np.dtype(lt.dtype).newbyteorder("<")
+            if dtype.kind == "b":
+                array = np.frombuffer(bytes(leaf), np.uint8).reshape(shape) != 0
+            else:
+                array = np.frombuffer(bytes(leaf), dtype).reshape(shape).astype(dtype.newbyteorder("="))
+            if dtype.kind in "fc" and array.size:
+                with np.errstate(invalid="ignore"):
+                    max_abs = max(max_abs, float(np.nan_to_num(np.abs(array)).max()))
+            leaves.append(array[()] if array.ndim == 0 else array)
+        value = structure.unflatten(leaves, self.folder.report_type)
+        folder = self.folder
+        for i, partial, t in zip(folder.plain, value, folder.report_type.types):
+            _check_one_client(partial, t, f"aggregation {i} ({folder.plan.aggregations[i].uri})")
+        return Scanned(value, max_abs)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        except errors.SerializationError as e:
+            raise ReportError(f"Expected a report of type {self.folder.report_type}: {e}") from e
+
+
 @dataclasses.dataclass(frozen=True)
 class Partial:
     """An edge aggregator's checked upload for a round (`Folder.check_partial`): the
@@ -387,6 +608,14 @@ def check_finite(value: Any, t: types.Type, where: str) -> None:
       ReportError: `non_finite`, naming `where` the value was found.
     """
     for leaf in structure.flatten(value, t):
+        if isinstance(leaf, bounds_lib.Summary):  # a leaf checked as it arrived
+            if not leaf.finite:
+                raise ReportError(
+                    f"Expected finite values in {where}, found NaN or infinity; a client must "
+                    "exclude or clip non-finite updates before reporting.",
+                    reason="non_finite",
+                )
+            continue
         arr = np.asarray(leaf)
         if arr.dtype.kind in "fc" and not all(  # a slice at a time: no model-sized mask
                 np.all(np.isfinite(part)) for part in bounds_lib.slices(arr)):

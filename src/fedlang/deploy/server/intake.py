@@ -12,7 +12,12 @@ uploads, which stand for its clients' reports (a round's partial aggregate, `PUT
 2. find the task in the uploader's population, its plan, and the largest body it can
    take (404 for no such task, or one of another population: nothing read, not counted);
 3. read the body, refused (413) as soon as it exceeds that limit or the server's limit
-   on every upload (`fedlang serve --max-report-bytes`), the refusal naming which;
+   on every upload (`fedlang serve --max-report-bytes`), the refusal naming which. A
+   large model's report (`Uploads.scan`: a round whose reports are sums and may hold
+   more than `--stream-report-bytes`) is never held: each piece is checked as it
+   arrives (`folding.ReportScan`: its header before any tensor, each tensor's length,
+   finiteness and summary for the bounds) and written to storage in chunks
+   (`values.Staging`), and a refusal comes as soon as a piece is wrong;
 4. admit it (`store.admission`: a replay is accepted again and changes nothing; 409
    another upload, 403 not assigned, 410 closed, and the mode's own refusals), before
    anything is decoded;
@@ -57,6 +62,7 @@ from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import folding
 from fedlang.deploy.server import auth as auth_lib
 from fedlang.deploy.server import state as state_lib
+from fedlang.deploy.store import values
 
 T = TypeVar("T")
 # (server, the request's bearer) -> the uploader; raises Unauthorized.
@@ -73,16 +79,22 @@ class Upload:
       uploader: who uploads (a client, or an edge for its clients).
       slot: which of the task's uploads it is: 0 for a round's report, a secure round's
         stage, a buffered session's model version (an edge's batch: its number).
-      body: the bytes.
+      body: the bytes (b"" for an upload taken as it arrived: `staging`).
+      size: how many bytes it has.
       digest: their SHA-256 (hex), by which replays are recognized.
       checked: what the mode's `check` made of them (e.g. the decoded report).
+      scan: for an upload taken as it arrived (`Uploads.scan`), its check, fed every
+        byte; `staging`: where its bytes were written.
     """
 
     uploader: auth_lib.Uploader
     slot: int
     body: bytes = b""
+    size: int = 0
     digest: str = ""
     checked: Any = None
+    scan: folding.ReportScan | None = None
+    staging: values.Staging | None = None
 
     @property
     def client(self) -> str:
@@ -101,6 +113,11 @@ class Uploads(Protocol, Generic[T]):
     def limit(self, target: T, upload: Upload) -> int:
         """The largest body the upload (its uploader and slot known, not its body) may
         have, in bytes."""
+
+    def scan(self, target: T, upload: Upload) -> folding.ReportScan | None:
+        """A check to feed the upload's bytes as they arrive, when it is taken so (a
+        large model's report: never held, written to storage as it arrives); None to
+        read it whole."""
 
     def precheck(self, target: T, upload: Upload) -> bool:
         """Whether this upload was accepted before (a replay); raises what `accept` would."""
@@ -210,18 +227,59 @@ async def take(
     target, upload, limit = await concurrency.run_in_threadpool(
         _find, server, auth, authenticate, uploads, task_id, slot
     )
+    kept = False
     try:
-        body = await read_limited(request, limit)
+        scan = uploads.scan(target, upload)
+        if scan is None:
+            body = await read_limited(request, limit)
+            upload = dataclasses.replace(upload, body=body, size=len(body))
+        else:  # written to storage as it arrives (discarded below unless accepted)
+            upload = dataclasses.replace(upload, scan=scan,
+                                         staging=values.Staging(server.store))
+            await _read_into(request, limit, upload)
         accepted = await concurrency.run_in_threadpool(
-            _admit_check_accept, uploads, target, dataclasses.replace(upload, body=body)
+            _admit_check_accept, uploads, target, upload
         )
         if isinstance(accepted, futures.Future):
             with _as_bad_request():
-                return await asyncio.wrap_future(accepted)
+                accepted = await asyncio.wrap_future(accepted)
+        kept = accepted
         return accepted
     except protocol.ProtocolError as e:
         await concurrency.run_in_threadpool(uploads.count_refusal, e.reason, target)
         raise
+    finally:
+        if upload.staging is not None and not kept:
+            await concurrency.run_in_threadpool(upload.staging.discard)
+
+
+async def _read_into(request: fastapi.Request, limit: Limit, upload: Upload) -> None:
+    """Feeds the request body to the upload's check and writes it to its staged value,
+    a chunk at a time (the thread pool takes a chunk's check and write: `values.CHUNK`
+    bytes, not each piece the network gives), refused (413) as `read_limited` refuses."""
+    assert upload.scan is not None and upload.staging is not None
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit.most:
+        raise limit.refuse(f"{declared} bytes")
+    size, pending = 0, bytearray()
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit.most:
+            raise limit.refuse("more")
+        pending += piece
+        if len(pending) >= values.CHUNK:
+            await concurrency.run_in_threadpool(_pass, upload, bytes(pending))
+            pending.clear()
+    if pending:
+        await concurrency.run_in_threadpool(_pass, upload, bytes(pending))
+
+
+def _pass(upload: Upload, data: bytes) -> None:
+    """One chunk of a streamed upload: checked, then written (400 as soon as it is wrong)."""
+    assert upload.scan is not None and upload.staging is not None
+    with _as_bad_request():
+        upload.scan.feed(data)
+    upload.staging.write(data)
 
 
 def _find(
@@ -266,7 +324,9 @@ def _as_bad_request() -> Iterator[None]:
 
 def _admit_and_check(uploads: Uploads[T], target: T, upload: Upload) -> Upload | None:
     """The upload with its digest and checked value, or None for a replay."""
-    upload = dataclasses.replace(upload, digest=protocol.blob_hash(upload.body))
+    digest = upload.staging.sha256 if upload.staging is not None else protocol.blob_hash(upload.body)
+    size = upload.staging.size if upload.staging is not None else len(upload.body)
+    upload = dataclasses.replace(upload, digest=digest, size=size)
     if uploads.precheck(target, upload):
         return None
     with _as_bad_request():

@@ -21,6 +21,7 @@ from fedlang.deploy.server import state as state_lib
 from fedlang.deploy.server.routing import State
 from fedlang.deploy.store import edges as edges_lib
 from fedlang.deploy.store import rounds as rounds_lib
+from fedlang.deploy.store import shards as shards_lib
 
 router = fastapi.APIRouter(prefix=protocol.API)
 
@@ -38,6 +39,9 @@ class RoundUploads:
     def count_refusal(self, reason: str, target: rounds_lib.Round) -> None:
         self.server.rounds.count_refusal(reason, target.id)
 
+    def scan(self, target: rounds_lib.Round, upload: intake.Upload) -> folding.ReportScan | None:
+        return None  # read whole
+
 
 class ReportUploads(RoundUploads):
     """A folded round's uploads, as the intake takes them: one per holder of seats, checked
@@ -53,8 +57,20 @@ class ReportUploads(RoundUploads):
     def precheck(self, target: rounds_lib.Round, upload: intake.Upload) -> bool:
         return self.server.rounds.precheck(target, upload.client, upload.digest)
 
+    def scan(self, target: rounds_lib.Round, upload: intake.Upload) -> folding.ReportScan | None:
+        """A client's report of a large model (`Folder.streamable`, reports that may
+        hold more than `--stream-report-bytes`): checked as it arrives and stored, never
+        held; the others whole."""
+        folder = self.server.verified.folder(target.plan)
+        if (upload.uploader.holds_seats or not folder.streamable
+                or folder.max_report_bytes <= self.server.stream_report_bytes):
+            return None
+        return folder.scan()
+
     def check(self, target: rounds_lib.Round, upload: intake.Upload) -> Any:
         folder = self.server.verified.folder(target.plan)
+        if upload.scan is not None and upload.staging is not None:
+            return shards_lib.Stored(upload.staging, upload.scan.result())
         if upload.uploader.holds_seats:
             return folder.check_partial(upload.body)
         return folder.check(upload.body)
@@ -67,12 +83,14 @@ class ReportUploads(RoundUploads):
         if upload.uploader.holds_seats:
             return None
         folder = self.server.verified.folder(target.plan)
-        return folder.bounds, folder.leaves(upload.checked)
+        checked = upload.checked
+        return folder.bounds, folder.leaves(
+            checked.report.value if isinstance(checked, shards_lib.Stored) else checked)
 
     def accept(self, target: rounds_lib.Round, upload: intake.Upload) -> futures.Future[bool]:
         # folded in this process's shard of the round, committed with others waiting
         return self.server.shards.submit(
-            target.id, upload.client, upload.digest, len(upload.body), upload.checked
+            target.id, upload.client, upload.digest, upload.size, upload.checked
         )
 
 
@@ -93,7 +111,9 @@ def create(server: state_lib.ServerState, body: schemas.RoundIn) -> rounds_lib.R
         if server.edges.check_secure(body.population, options):
             on_create = None  # each edge runs SecAgg+ over its own clients (`store/edges.py`)
     signed = plans.sign(server, data)
-    empty = folding.Folder(round_plan).empty()
+    folder = folding.Folder(round_plan)
+    # a large model's zero aggregate made as it is written, a slice at a time
+    empty = folder.empty_parts() if folder.streamable else folder.empty()
     return server.rounds.create(
         body.population, signed, body.broadcast, options, empty, body.request_id, kind,
         on_create,

@@ -60,7 +60,7 @@ class AnswerUploads(rounds.RoundUploads):
     def accept(self, target: rounds_lib.Round, upload: intake.Upload) -> bool:
         message, report = upload.checked
         return self.server.secure.accept(
-            target.id, upload.client, upload.slot, upload.digest, len(upload.body), message,
+            target.id, upload.client, upload.slot, upload.digest, upload.size, message,
             report,
         )
 

@@ -170,6 +170,10 @@ class Limits:
         aggregate or batch; `--max-report-bytes`): a round whose plan lets clients report
         more is refused when it is created, and a larger upload gets 413 before its
         body is read.
+      stream_report_bytes: a round whose plan lets a client's report hold more than this
+        (a large model's) takes its reports as they arrive: each is checked as it
+        passes and written to storage in chunks, then folded when the round closes, a
+        slice at a time; no process holds it (`--stream-report-bytes`).
     """
 
     header_timeout: float = 10.0
@@ -182,6 +186,7 @@ class Limits:
     enroll_burst: int = 20
     max_blob_bytes: int = 1 << 30
     max_report_bytes: int = 1 << 30
+    stream_report_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         for name in ("max_blob_bytes", "max_report_bytes"):
@@ -190,6 +195,8 @@ class Limits:
         for name in ("header_timeout", "body_timeout", "keep_alive"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Expected {name} > 0 seconds, found {getattr(self, name)}.")
+        if self.stream_report_bytes < 0:
+            raise ValueError(f"Expected stream_report_bytes >= 0, found {self.stream_report_bytes}.")
         if self.max_connections < 1:
             raise ValueError(f"Expected max_connections >= 1, found {self.max_connections}.")
         self.rate("client")
@@ -361,6 +368,7 @@ class Server:
                 self.store, load_key(key, self.store, db), token_hash, credential_ttl,
                 limits.max_blob_bytes, limits.rate("client"), limits.rate("enroll"),
                 max_report_bytes=limits.max_report_bytes,
+                stream_report_bytes=limits.stream_report_bytes,
             )
             self.public_key = self.app_state.public_key
             self.app = app_lib.create_app(self.app_state, tick, limits.body_timeout)

@@ -58,6 +58,9 @@ class ReportUploads:
     def target(self, task_id: int, uploader: auth_lib.Uploader) -> sessions_lib.Session:
         return intake.visible(self.server.sessions.session(task_id), uploader, "session")
 
+    def scan(self, target: sessions_lib.Session, upload: intake.Upload) -> None:
+        return None  # read whole: a session keeps its reports for the driver
+
     def _report_limit(self, target: sessions_lib.Session) -> int:
         """The bytes one report may have: its tensors and their headers (the plan's check
         then reads it with the exact limit)."""
@@ -100,7 +103,7 @@ class ReportUploads:
     def accept(self, target: sessions_lib.Session, upload: intake.Upload) -> bool:
         if upload.uploader.holds_seats:
             return self.server.sessions.accept_many(
-                target.id, upload.client, upload.slot, upload.digest, len(upload.body),
+                target.id, upload.client, upload.slot, upload.digest, upload.size,
                 upload.checked,
             )
         return self.server.sessions.accept(

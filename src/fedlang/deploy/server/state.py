@@ -33,6 +33,8 @@ class ServerState:
       client_rate: each enrolled client's rate limit (`ratelimit`; None: none).
       enroll_rate: each address's limit on failed enrollments (None: none).
       max_report_bytes: the largest upload of any kind (`--max-report-bytes`).
+      stream_report_bytes: reports of a plan that lets them hold more are taken as they
+        arrive and stored (`--stream-report-bytes`; `intake`).
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class ServerState:
         client_rate: ratelimit.Rate | None = None,
         enroll_rate: ratelimit.Rate | None = None,
         max_report_bytes: int = 1 << 30,
+        stream_report_bytes: int = 64 << 20,
     ):
         self.store = store
         self.key = key
@@ -53,6 +56,7 @@ class ServerState:
         self.credential_ttl = credential_ttl
         self.max_blob_bytes = max_blob_bytes
         self.max_report_bytes = max_report_bytes
+        self.stream_report_bytes = stream_report_bytes
         # Each plan is read, verified and parsed once for every upload checked against it.
         self.verified = cache.VerifiedPlans(store.get_blob, self.public_key)
         self.rounds = rounds_lib.Rounds(store, self.verified.folder)

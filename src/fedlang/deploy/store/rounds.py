@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from fedlang.deploy import protocol
@@ -227,11 +227,12 @@ def aggregate_deleted(round_id: int) -> protocol.Gone:
         "round closes.", reason="deleted")
 
 
-def write_aggregate(tx: sql.Tx, round_id: int, data: bytes, reports: int = 0) -> None:
+def write_aggregate(tx: sql.Tx, round_id: int, data: bytes | Iterable[bytes],
+                    reports: int = 0) -> None:
     """Replaces round `round_id`'s aggregate by `data` (a new value; the old one is
-    deleted) and adds `reports` to its count, in `tx`."""
+    deleted: its bytes, or their parts as made) and adds `reports` to its count, in `tx`."""
     old = tx.one("SELECT value FROM aggregates WHERE round = ?", (round_id,))[0]
-    value = values.write(tx, [data])
+    value = values.write(tx, [data] if isinstance(data, bytes | bytearray) else data)
     tx.run("UPDATE aggregates SET value = ?, reports = reports + ? WHERE round = ?",
            (value.id, reports, round_id))
     values.delete(tx, str(old))
@@ -352,7 +353,7 @@ class Rounds:
         plan: str,
         broadcast: str,
         options: CohortOptions,
-        empty_aggregate: bytes,
+        empty_aggregate: bytes | Iterable[bytes],
         request_id: str | None = None,
         kind: protocol.TaskKind = AGGREGATE,
         on_create: Callable[[sql.Tx, Round], None] | None = None,
@@ -379,7 +380,8 @@ class Rounds:
             )
             tx.run(
                 "INSERT INTO aggregates (round, value, reports) VALUES (?, ?, 0)",
-                (round_id, values.write(tx, [empty_aggregate]).id),
+                (round_id, values.write(tx, [empty_aggregate] if isinstance(empty_aggregate, bytes)
+                                        else empty_aggregate).id),
             )
             if on_create is not None:
                 on_create(tx, self.round_in(tx, round_id))
@@ -466,32 +468,55 @@ class Rounds:
             return self.round_in(tx, round_id)
 
     def _merge_shards(self, tx: sql.Tx, r: Round) -> str:
-        """Folds the round's shards into its aggregate and its count, and deletes them;
-        returns why the round fails ('' if it does not: their sum overflowing fails it)."""
+        """Folds the round's shards and stored reports into its aggregate and its count,
+        and deletes them; returns why the round fails ('' if it does not: their sum
+        overflowing fails it)."""
         rows = tx.all("SELECT value, reports FROM aggregate_shards WHERE round = ?", (r.id,))
-        if not rows:
+        stored = [str(v) for (v,) in tx.all(
+            "SELECT value FROM stored_reports WHERE round = ? ORDER BY client", (r.id,))]
+        if not rows and not stored:
             return ""
         if self.folders is None:
             raise RuntimeError(
                 f"Expected the rounds' folders to merge round {r.id}'s shards, found none; "
                 "make Rounds(store, folders) as the server does."
             )
-        aggregate = read_aggregate(tx, r.id)
+        folder = self.folders(r.plan)
         count = sum(int(row[1]) for row in rows)
+        shards = [str(row[0]) for row in rows if row[0]]  # '': a shard of stored reports only
         failure = ""
         try:
-            merged = self.folders(r.plan).merge(
-                [aggregate, *(values.read_id(tx, str(row[0])) for row in rows)])
+            if stored:  # a large model's: folded from storage, a slice at a time
+                merged: bytes | Iterable[bytes] = self._fold_stored(tx, r, folder, shards, stored)
+            else:
+                merged = folder.merge([read_aggregate(tx, r.id),
+                                       *(values.read_id(tx, value) for value in shards)])
+            write_aggregate(tx, r.id, merged, reports=count)
         except folding.ReportError as e:
-            merged = aggregate
+            tx.run("UPDATE aggregates SET reports = reports + ? WHERE round = ?", (count, r.id))
             failure = (f"Round {r.id} failed: the partial aggregates of its server processes "
                        f"overflow when merged ({e}); clients must clip their values further.")
-        write_aggregate(tx, r.id, merged, reports=count)
         tx.run("UPDATE rounds SET reports = reports + ? WHERE id = ?", (count, r.id))
         tx.run("DELETE FROM aggregate_shards WHERE round = ?", (r.id,))
-        for row in rows:
-            values.delete(tx, str(row[0]))
+        tx.run("DELETE FROM stored_reports WHERE round = ?", (r.id,))
+        for value in shards + stored:
+            values.delete(tx, value)
         return failure
+
+    @staticmethod
+    def _fold_stored(tx: sql.Tx, r: Round, folder: folding.Folder, shards: list[str],
+                     stored: list[str]) -> Iterable[bytes]:
+        """The parts of round `r`'s aggregate with its shards and stored reports folded
+        in, made a slice at a time as they are written (`Folder.fold_stored`)."""
+        aggregate = aggregate_value(tx, r.id)
+        heads = [values.head(tx, v) for v in shards + stored]
+        if aggregate is None or any(h is None for h in heads):
+            raise values.DamagedValue(
+                f"Expected round {r.id}'s aggregate, shards and stored reports, found one "
+                "missing; the database was changed outside fedlang or damaged.")
+        return folder.fold_stored(
+            lambda value, start, stop: values.read_range(tx, value, start, stop),
+            aggregate, heads[:len(shards)], heads[len(shards):])
 
     def close_if_done(self, round_id: int) -> None:
         """Closes an open folded round whose shards reached its target or whose deadline

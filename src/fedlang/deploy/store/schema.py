@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from fedlang.deploy.store import sql, values
 
-VERSION = 13
+VERSION = 14
 
 BUFFERED_BATCHES = (
     "CREATE TABLE IF NOT EXISTS buffered_batches (session {int} NOT NULL, client TEXT NOT NULL,"
@@ -44,6 +44,11 @@ AGGREGATES = (
 SHARDS = (
     "CREATE TABLE IF NOT EXISTS aggregate_shards (round {int} NOT NULL, shard TEXT NOT NULL,"
     " value TEXT NOT NULL, reports {int} NOT NULL, PRIMARY KEY (round, shard))"
+)
+
+STORED_REPORTS = (
+    "CREATE TABLE IF NOT EXISTS stored_reports (round {int} NOT NULL, client TEXT NOT NULL,"
+    " value TEXT NOT NULL, max_abs {real} NOT NULL, PRIMARY KEY (round, client))"
 )
 
 TABLES = [
@@ -103,6 +108,11 @@ TABLES = [
     # and report count as of its last commit; merged into `aggregates` when the round
     # closes.
     SHARDS,
+    # A large model's report (`folding.Folder.streamable`), stored as it arrived (a value)
+    # until its round closes and folds it a slice at a time (shards.py, rounds.py); its
+    # largest magnitude bounds the round's sum (`max_abs`). Counted in its shard's
+    # `reports`, whose `value` is '' while it folded none in memory.
+    STORED_REPORTS,
     # A round's count (`rounds._ROUND_FIELDS`) sums its shards' `reports` from this index.
     "CREATE INDEX IF NOT EXISTS aggregate_shards_reports ON aggregate_shards (round, reports)",
     # Secure rounds (secure.py): the SecAgg+ server state and each stage's requests.
@@ -283,6 +293,9 @@ MIGRATIONS: dict[int, list[str | Callable[[sql.Tx], None]]] = {
     # cell. A SQLite database made before keeps its auto_vacuum mode (none): the pages
     # its old rows held are reused by later writes, the file does not shrink.
     12: [_values_in_chunks],
+    # 13 -> 14: large models' reports stored until their round closes (`stored_reports`,
+    # created as any missing table).
+    13: [],
 }
 
 

@@ -68,6 +68,17 @@ class _Pending:
     result: bool | BaseException | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A large model's report (`folding.Folder.streamable`), checked as it arrived
+    (`report`) and written meanwhile to a staged value (`staging`): taken, it is stored
+    (`stored_reports`, its value finished in the transaction) and folded when its round
+    closes (`rounds.Rounds._merge_shards`), a slice at a time; never held whole."""
+
+    staging: values.Staging
+    report: folding.Scanned
+
+
 @dataclasses.dataclass
 class _Shard:
     """A round's shard in this process: its running aggregate (as its row holds it,
@@ -86,6 +97,16 @@ class _Group:
     count: int
     held: dict[str, rounds_lib.Held]
     taken: list[_Pending] = dataclasses.field(default_factory=list)
+    folded: bool = False  # whether an upload was folded into the shard in memory
+    stored: float | None = None  # the sum of its stored reports' `max_abs`, once read
+
+    def stored_bound(self, tx: sql.Tx) -> float:
+        """The sum of the largest magnitudes of the round's stored reports (every
+        process's), and of those this batch stored."""
+        if self.stored is None:
+            self.stored = float(tx.one("SELECT COALESCE(SUM(max_abs), 0) FROM stored_reports"
+                                       " WHERE round = ?", (self.round.id,))[0])
+        return self.stored
 
     @classmethod
     def read(cls, tx: sql.Tx, r: rounds_lib.Round, clients: list[str]) -> _Group:
@@ -257,14 +278,19 @@ class ReportShards:
                 f"{r.id}), found {p.count} and {p.dropped}."
             )
         folder = self.folders(r.plan)
-        shard = self._shard(tx, r, folder)
-        try:
-            folder.fold_into(shard.accumulators, p.checked)
-        except folding.ReportError:  # rebuilt without it: as committed, plus this batch's
-            shard.accumulators = self._committed(tx, r, folder)
-            for q in g.taken:
-                folder.fold_into(shard.accumulators, q.checked)
-            raise
+        if isinstance(p.checked, Stored):
+            self._store(tx, g, p.client, p.checked, folder)
+        else:
+            shard = self._shard(tx, r, folder)
+            try:
+                folder.fold_into(shard.accumulators, p.checked)
+            except folding.ReportError:  # rebuilt without it: as committed, plus this batch's
+                shard.accumulators = self._committed(tx, r, folder)
+                for q in g.taken:
+                    if not isinstance(q.checked, Stored):
+                        folder.fold_into(shard.accumulators, q.checked)
+                raise
+            g.folded = True
         g.held[p.client] = dataclasses.replace(held, accepted=p.digest,
                                                assignment=admission.Assignment.REPORTED)
         g.taken.append(p)
@@ -272,6 +298,28 @@ class ReportShards:
         if g.count >= r.target:
             due.add(r.id)
         return True
+
+    @staticmethod
+    def _store(tx: sql.Tx, g: _Group, client: str, stored: Stored,
+               folder: folding.Folder) -> None:
+        """Stores a large model's report: its staged value finished in `tx`, and named
+        by its row of `stored_reports`.
+
+        Raises:
+          ReportError: `overflow`, if the round's stored reports and this one could sum
+            beyond the aggregate's range (`Folder.overflow_limit`).
+        """
+        bound = g.stored_bound(tx) + stored.report.max_abs
+        if not bound <= folder.overflow_limit():
+            raise folding.ReportError(
+                f"Expected a report the aggregate of round {g.round.id} stays finite with, "
+                f"found one whose values (up to {stored.report.max_abs:g} in magnitude) could "
+                "make it overflow; a client must clip its values before reporting.",
+                reason="overflow")
+        value = stored.staging.finish(tx)
+        tx.run("INSERT INTO stored_reports (round, client, value, max_abs) VALUES (?, ?, ?, ?)",
+               (g.round.id, client, value.id, stored.report.max_abs))
+        g.stored = bound
 
     def _shard(self, tx: sql.Tx, r: rounds_lib.Round, folder: folding.Folder) -> _Shard:
         """This process's shard of round `r`, made (with its row) on its first report."""
@@ -284,26 +332,35 @@ class ReportShards:
     def _write_shard(self, tx: sql.Tx, g: _Group) -> None:
         """Replaces the shard's row's value by the shard as this batch left it (a new
         value, in chunks: no cell holds a model-sized aggregate), adding its reports."""
-        old = tx.one("SELECT value FROM aggregate_shards WHERE round = ? AND shard = ?",
-                     (g.round.id, self.shard))[0]
+        count = sum(p.count for p in g.taken)
+        row = tx.one("SELECT value FROM aggregate_shards WHERE round = ? AND shard = ?",
+                     (g.round.id, self.shard))
+        if row is None:  # only stored reports so far: the row counts them
+            tx.run("INSERT INTO aggregate_shards (round, shard, value, reports)"
+                   " VALUES (?, ?, '', ?)", (g.round.id, self.shard, count))
+            return
+        if not g.folded:  # its value is as it was
+            tx.run("UPDATE aggregate_shards SET reports = reports + ? WHERE round = ?"
+                   " AND shard = ?", (count, g.round.id, self.shard))
+            return
         data = self.folders(g.round.plan).serialize(self._shards[g.round.id].accumulators)
         value = values.write(tx, [data])
         del data
         tx.run("UPDATE aggregate_shards SET value = ?, reports = reports + ?"
-               " WHERE round = ? AND shard = ?",
-               (value.id, sum(p.count for p in g.taken), g.round.id, self.shard))
-        values.delete(tx, str(old))
+               " WHERE round = ? AND shard = ?", (value.id, count, g.round.id, self.shard))
+        if row[0]:
+            values.delete(tx, str(row[0]))
 
     def _committed(self, tx: sql.Tx, r: rounds_lib.Round, folder: folding.Folder) -> list[Any]:
-        """The shard's accumulators as its row holds them (the row made empty if new)."""
+        """The shard's accumulators as its row holds them (the row made if new: its
+        value '' until a group folds an upload in memory)."""
         row = tx.one(
             "SELECT value FROM aggregate_shards WHERE round = ? AND shard = ?", (r.id, self.shard)
         )
         if row is not None:
+            if not row[0]:  # none folded in memory yet
+                return folder.accumulators()
             return folder.accumulators(values.read_id(tx, str(row[0])))
-        value = values.write(tx, [folder.empty()])
-        tx.run(
-            "INSERT INTO aggregate_shards (round, shard, value, reports) VALUES (?, ?, ?, 0)",
-            (r.id, self.shard, value.id),
-        )
+        tx.run("INSERT INTO aggregate_shards (round, shard, value, reports) VALUES (?, ?, '', 0)",
+               (r.id, self.shard))
         return folder.accumulators()

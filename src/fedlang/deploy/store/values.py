@@ -133,12 +133,17 @@ def _put_chunk(tx: sql.Tx, value_id: str, idx: int, data: bytes | memoryview) ->
 
 
 def write(tx: sql.Tx, parts: Iterable[bytes], chunk: int = CHUNK) -> Value:
-    """Writes a new value of the bytes of `parts` (of any sizes) in `tx`; its head."""
+    """Writes a new value of the bytes of `parts` (of any sizes) in `tx`; its head. If
+    `parts` raises (it may be a generator making the value), nothing of it is left."""
     value_id, digest, size = _new_id(), hashlib.sha256(), 0
-    for idx, piece in enumerate(_cut(parts, chunk)):
-        digest.update(piece)
-        size += len(piece)
-        _put_chunk(tx, value_id, idx, piece)
+    try:
+        for idx, piece in enumerate(_cut(parts, chunk)):
+            digest.update(piece)
+            size += len(piece)
+            _put_chunk(tx, value_id, idx, piece)
+    except BaseException:  # `parts` failed (e.g. a sum made as it is written overflowed)
+        tx.run("DELETE FROM value_chunks WHERE value = ?", (value_id,))
+        raise
     value = Value(value_id, size, chunk, digest.hexdigest())
     tx.run(
         "INSERT INTO value_heads (id, size, chunk, sha256, staged) VALUES (?, ?, ?, ?, NULL)",
@@ -214,6 +219,23 @@ def read_id(tx: sql.Tx, value_id: str) -> bytes:
         raise DamagedValue(f"Expected stored value {value_id}, found none; the database was "
                            "changed outside fedlang or damaged.")
     return read(tx, value)
+
+
+def read_range(tx: sql.Tx, value: Value, start: int, stop: int) -> bytes:
+    """Bytes `start:stop` of `value`, read in `tx` (each chunk's length checked, not the
+    whole's SHA-256: for a reader of slices, such as a fold a slice at a time).
+
+    Raises:
+      DamagedValue: see `read_chunk`.
+    """
+    if not 0 <= start <= stop <= value.size:
+        raise ValueError(f"Expected a range within 0:{value.size}, found {start}:{stop}.")
+    out = bytearray()
+    for idx in range(start // value.chunk, -(-stop // value.chunk)):
+        data = read_chunk(tx, value, idx)
+        base = idx * value.chunk
+        out += memoryview(data)[max(start - base, 0):min(stop - base, len(data))]
+    return typing.cast(bytes, out)
 
 
 def chunks(store: Transactions, value: Value, start: int = 0,
