@@ -197,6 +197,36 @@ class DenseLayout:
         return wire.frame_parts(wire.KIND_VALUE, self.header, list(zip(self.lengths, pieces)))
 
 
+class LayoutScan(wire.FrameScanner):
+    """Checks, as its bytes arrive (`feed`, then `finish`), that a frame holds a value of
+    a `DenseLayout`'s type: its header exactly the layout's (each tensor's dtype and
+    shape, read before any tensor), each tensor of its length, the frame whole with its
+    checksum; holding no tensor (`blob_data` sees each piece, for a subclass).
+
+    Raises (`feed`, `finish`):
+      SerializationError: the bytes are not such a frame.
+    """
+
+    def __init__(self, layout: DenseLayout):
+        super().__init__(wire.KIND_VALUE)
+        self.layout = layout
+
+    def header(self, header: dict[str, Any]) -> None:
+        found = wire.DecodeContext(header, []).type(header.get("type"))
+        if found != self.layout.type:
+            raise wire.malformed(f"a value of type {self.layout.type}", f"one of {found}")
+        if header.get("value") != self.layout.header["value"]:
+            raise wire.malformed(f"a value of type {self.layout.type} written as fedlang "
+                                 "writes it", "tensors of other dtypes, shapes or order")
+
+    def blob_start(self, index: int, length: int) -> None:
+        lengths = self.layout.lengths
+        if index >= len(lengths) or length != lengths[index]:
+            want = lengths[index] if index < len(lengths) else 0
+            raise wire.malformed(f"tensor {index} of {self.layout.type} in {want} bytes",
+                                 f"{length} bytes")
+
+
 def dense_layout(type_spec: Any) -> DenseLayout:
     """The `DenseLayout` of a type.
 

@@ -8,6 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
+import fedlang as fl
 from fedlang import deploy
 from fedlang.core import serialization
 from fedlang.deploy.plans import bounds as bounds_lib
@@ -127,3 +128,27 @@ def _refix_crc(data):
     data = bytearray(data)
     data[-4:] = struct.pack("<I", zlib.crc32(bytes(data[:-4])))
     return bytes(data)
+
+
+@pytest.mark.parametrize("piece", [1, 5, 10**6])
+def test_a_value_is_checked_against_its_layout_as_it_arrives(piece):
+    # what the server checks of a model's broadcast, a chunk at a time
+    t = fl.to_type({"w": fl.TensorType(np.float32, [3, 4]), "b": fl.TensorType(np.int8, [5])})
+    layout = serialization.dense_layout(t)
+    good = serialization.serialize_value(
+        {"w": np.ones((3, 4), np.float32), "b": np.arange(5, dtype=np.int8)}, t)
+
+    def scan(data):
+        check = serialization.LayoutScan(layout)
+        for start in range(0, len(data), piece):
+            check.feed(data[start:start + piece])
+        check.finish()
+
+    scan(good)
+    other = serialization.serialize_value(
+        {"w": np.ones((4, 3), np.float32), "b": np.arange(5, dtype=np.int8)},
+        {"w": fl.TensorType(np.float32, [4, 3]), "b": fl.TensorType(np.int8, [5])})
+    for bad, says in [(good[:-3], "whole frame"), (good + b"x", "end of the frame"),
+                      (other, r"found one of <w=float32\[4,3\]"), (b"FEDX" + good[4:], "starting with")]:
+        with pytest.raises(serialization.SerializationError, match=says):
+            scan(bad)

@@ -13,6 +13,7 @@ finite contribution.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from fedlang.core import errors, serialization, structure, types, wire
+from fedlang.core import errors, serialization, structure, types
 from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.runtime import accumulate
@@ -413,48 +414,41 @@ class Scanned:
     max_abs: float
 
 
-class ReportScan(wire.FrameScanner):
+class ReportScan(serialization.LayoutScan):
     """Checks one client's report of a streamable round (`Folder.scan`) fed its bytes as
-    they arrive, holding one piece of it: its header must be exactly that of the
-    round's report type (`serialization.dense_layout`; each tensor's dtype and shape),
-    each tensor of its length, the frame whole with its checksum; each large tensor is
-    summarised (`bounds.Summary`: for the finiteness check and the plan's bounds) as it
-    passes. `result` then makes the checks `Folder.check` makes.
+    they arrive, holding one piece of it: its frame as `serialization.LayoutScan` checks
+    it (the round's report type, each tensor's dtype, shape and length, the checksum);
+    each large tensor summarised (`bounds.Summary`: for the finiteness check and the
+    plan's bounds) as it passes. `result` then makes the checks `Folder.check` makes.
 
     Raises (`feed`, `result`):
       ReportError: `malformed`, or as `Folder.check`.
     """
 
     def __init__(self, folder: Folder):
-        super().__init__(wire.KIND_VALUE)
         assert folder.report_layout is not None
+        super().__init__(folder.report_layout)
         self.folder = folder
-        self.layout = folder.report_layout
         self._leaves: list[bytearray | bounds_lib.Summary] = []
         self._carry = b""  # an element split between two pieces
 
     def feed(self, data: Any) -> None:
-        try:
+        with self._as_report_error():
             super().feed(data)
+
+    def finish(self) -> None:
+        with self._as_report_error():
+            super().finish()
+
+    @contextlib.contextmanager
+    def _as_report_error(self) -> Iterator[None]:
+        try:
+            yield
         except errors.SerializationError as e:
             raise ReportError(f"Expected a report of type {self.folder.report_type}: {e}") from e
 
-    def header(self, header: dict[str, Any]) -> None:
-        expected = self.layout.header
-        try:
-            found = wire.DecodeContext(header, []).type(header.get("type"))
-        except errors.SerializationError as e:
-            raise ReportError(f"Expected a report of type {self.layout.type}: {e}") from e
-        if found != self.layout.type or header.get("value") != expected["value"]:
-            raise ReportError(f"Expected a report of type {self.layout.type}, found one of "
-                              f"{found}" + ("" if found != self.layout.type else
-                                            " with tensors of other dtypes or shapes") + ".")
-
     def blob_start(self, index: int, length: int) -> None:
-        if index >= len(self.layout.lengths) or length != self.layout.lengths[index]:
-            raise ReportError(f"Expected tensor {index} of a report of {self.layout.type} "
-                              f"to hold {self.layout.lengths[index] if index < len(self.layout.lengths) else 0}"
-                              f" bytes, found {length}.")
+        super().blob_start(index, length)
         self._leaves.append(bytearray() if length <= SMALL_LEAF else bounds_lib.Summary())
         self._carry = b""
 
@@ -505,12 +499,6 @@ class ReportScan(wire.FrameScanner):
         for i, partial, t in zip(folder.plain, value, folder.report_type.types):
             _check_one_client(partial, t, f"aggregation {i} ({folder.plan.aggregations[i].uri})")
         return Scanned(value, max_abs)
-
-    def finish(self) -> None:
-        try:
-            super().finish()
-        except errors.SerializationError as e:
-            raise ReportError(f"Expected a report of type {self.folder.report_type}: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)

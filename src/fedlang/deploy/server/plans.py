@@ -19,6 +19,7 @@ from fedlang.deploy.plans import buffered as buffered_plan
 from fedlang.deploy.plans import folding
 from fedlang.deploy.plans import round as plan_lib
 from fedlang.deploy.server import state as state_lib
+from fedlang.deploy.store import values
 
 # What a plan blob must be, by the kind of task it opens: how to read it, its name, and
 # the largest report it lets a client upload.
@@ -73,8 +74,18 @@ def check_value(server: state_lib.ServerState, plan: Any, h: str, what: str) -> 
       BadRequest: a value of another type.
     """
     try:
-        serialization.deserialize_value(  # read, not kept: no copy of its tensors
-            server.store.get_blob(h), expected_type=plan.broadcast_type, copy=False
-        )
+        layout = serialization.dense_layout(plan.broadcast_type)
+    except TypeError:
+        layout = None
+    try:
+        if layout is None:
+            serialization.deserialize_value(  # read, not kept: no copy of its tensors
+                server.store.get_blob(h), expected_type=plan.broadcast_type, copy=False
+            )
+        else:  # a model's weights: checked a chunk at a time, never held
+            scan = serialization.LayoutScan(layout)
+            for chunk in values.chunks(server.store, server.store.open_blob(h)):
+                scan.feed(chunk)
+            scan.finish()
     except serialization.SerializationError as e:
         raise protocol.BadRequest(f"Expected blob {h} to be the plan's {what}: {e}") from e
