@@ -152,3 +152,40 @@ def test_a_value_is_checked_against_its_layout_as_it_arrives(piece):
                       (other, r"found one of <w=float32\[4,3\]"), (b"FEDX" + good[4:], "starting with")]:
         with pytest.raises(serialization.SerializationError, match=says):
             scan(bad)
+
+
+def test_fed_avg_s_reports_are_folded_from_storage_as_held_ones(monkeypatch):
+    # FedAvg's round: sums of the model's update and metrics, and a small federated_max
+    # (merged in memory by its accumulator)
+    import flax.linen as nn
+    import optax
+
+    from fedlang.learning import algorithms, models
+
+    class Wide(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(x)
+
+    def model_fn():
+        return models.from_flax(
+            Wide(), lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
+            {"x": (np.float32, [None, 16]), "y": (np.int32, [None])})
+
+    process = algorithms.build_weighted_fed_avg(model_fn, optax.sgd(0.1))
+    state = process.initialize()
+    plan, broadcast = capture(lambda s, d: process.next(s, d), state, deploy.client_data("train"))
+    folder = folding.Folder(plan)
+    assert folder.streamable and "federated_max" in [a.uri for a in plan.aggregations]
+    rng = np.random.default_rng(1)
+    reports = [execution.run_plan(plan, broadcast, {"train": [
+        {"x": rng.normal(size=(4, 16)).astype(np.float32), "y": rng.integers(0, 8, 4).astype(np.int32)}
+        for _ in range(2)]}) for _ in range(3)]
+    held = folder.empty()
+    for report in reports:
+        scanned = _scan(folder, report, 333)
+        folder.check_bounds(scanned.value)
+        held = folder.fold(held, folder.check(report))
+    frames = [folder.empty(), *reports]
+    stored = b"".join(bytes(p) for p in folder.fold_stored(_stored(frames), 0, [], [1, 2, 3]))
+    assert stored == held

@@ -69,17 +69,18 @@ class Folder:
         self.max_partial_bytes = max_bytes(self.partial_type)
         self.bounds = round_plan.bounds or bounds_lib.Bounds()
         self.report_paths = round_plan.report_paths
+        self._small: dict[int, range] = {}
         self.report_layout, self.aggregate_layout = self._layouts()
 
     def _layouts(self) -> tuple[serialization.DenseLayout | None,
                                 serialization.DenseLayout | None]:
         """The layouts of a report and of the aggregate when a report can be checked as it
-        arrives and folded from storage a slice at a time (`streamable`): every
-        aggregation a sum (`federated_sum`, `_mean`, `_weighted_mean`: each leaf of the
-        aggregate the sum of that leaf of the reports, widened), none secure, every leaf
-        a dense tensor of known shape."""
-        sums = (accumulate.Sum, accumulate.Mean, accumulate.WeightedMean)
-        if self.secure or any(type(a.make()) not in sums for a in self.plan.aggregations):
+        arrives and folded from storage a slice at a time (`streamable`): no aggregation
+        secure, every leaf a dense tensor of known shape, and every aggregation a sum
+        (`federated_sum`, `_mean`, `_weighted_mean`: each leaf of the aggregate the sum
+        of that leaf of the reports, widened) or small (at most `SMALL_LEAF` bytes a
+        report, such as a metric's `federated_max`: merged in memory)."""
+        if self.secure:
             return None, None
         try:
             report = serialization.dense_layout(self.report_type)
@@ -88,6 +89,16 @@ class Folder:
             return None, None
         if [lt.shape for lt in report.leaves] != [lt.shape for lt in aggregate.leaves]:
             return None, None
+        self._small: dict[int, range] = {}  # aggregation -> its leaves, merged in memory
+        first = 0
+        for i, (a, t) in enumerate(zip(self.plan.aggregations, self.report_type.types)):
+            leaves = range(first, first + len(structure.leaf_types(t)))
+            first = leaves.stop
+            if type(a.make()) in _SUMS:
+                continue
+            if sum(report.lengths[k] for k in leaves) > SMALL_LEAF:
+                return None, None
+            self._small[i] = leaves
         return report, aggregate
 
     @property
@@ -356,8 +367,43 @@ class Folder:
         inputs = wide_in + [(h, self.report_layout) for h in reports]
         tops = [float(np.finfo(lt.dtype).max) if np.dtype(lt.dtype).kind == "f" else None
                 for lt in self.report_layout.leaves]
-        return self.aggregate_layout.parts(
-            self._leaf_sums(read, k, inputs, tops[k]) for k in range(len(tops)))
+        small: dict[int, bytes] = {}  # the small aggregations' leaves, merged once
+
+        def leaf(k: int) -> Iterator[Any]:
+            for i, leaves in self._small.items():
+                if k in leaves:
+                    if k not in small:
+                        small.update(self._merge_small(read, i, inputs))
+                    yield small.pop(k)
+                    return
+            yield from self._leaf_sums(read, k, inputs, tops[k])
+
+        return self.aggregate_layout.parts(leaf(k) for k in range(len(tops)))
+
+    def _merge_small(self, read: Callable[[Any, int, int], bytes], i: int,
+                     inputs: Sequence[tuple[Any, serialization.DenseLayout]]) -> dict[int, bytes]:
+        """Aggregation `i` (a small one: `_layouts`) of the inputs merged in memory by its
+        accumulator: the bytes of each of its leaves in the aggregate, by leaf index."""
+        leaves = self._small[i]
+        acc = self.plan.aggregations[i].make()
+        for handle, frame in inputs:
+            t = frame.type.types[i]  # type: ignore[attr-defined]
+            arrays = []
+            for k in leaves:
+                dtype = np.dtype(frame.leaves[k].dtype).newbyteorder("<")
+                data = read(handle, frame.offsets[k], frame.offsets[k] + frame.lengths[k])
+                x = (np.frombuffer(data, np.uint8) != 0 if dtype.kind == "b"
+                     else np.frombuffer(data, dtype)).reshape(frame.shapes[k])
+                arrays.append(x[()] if x.ndim == 0 else x)
+            with np.errstate(all="ignore"):  # checked below
+                acc.merge(structure.unflatten(arrays, t))
+        if not _within_range(acc, self.aggregate_type.types[i]):
+            raise ReportError(f"Expected stored reports whose aggregation {i} stays finite, "
+                              "found it overflowing.", reason="overflow")
+        wide = self.aggregate_layout.leaves  # type: ignore[union-attr]
+        merged = structure.flatten(acc.partial(), self.aggregate_type.types[i])
+        return {k: np.ascontiguousarray(x, np.dtype(wide[k].dtype).newbyteorder("<")).tobytes()
+                for k, x in zip(leaves, merged)}
 
     def _leaf_sums(self, read: Callable[[Any, int, int], bytes], k: int,
                    inputs: Sequence[tuple[Any, serialization.DenseLayout]],
@@ -402,6 +448,7 @@ class Folder:
 
 
 SMALL_LEAF = 1 << 16  # a scanned report's leaves of at most this many bytes are kept whole
+_SUMS = (accumulate.Sum, accumulate.Mean, accumulate.WeightedMean)  # folded a slice at a time
 
 
 @dataclasses.dataclass(frozen=True)
