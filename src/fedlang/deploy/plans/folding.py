@@ -89,7 +89,7 @@ class Folder:
             return None, None
         if [lt.shape for lt in report.leaves] != [lt.shape for lt in aggregate.leaves]:
             return None, None
-        self._small: dict[int, range] = {}  # aggregation -> its leaves, merged in memory
+        self._small = {}  # aggregation -> its leaves, merged in memory
         first = 0
         for i, (a, t) in enumerate(zip(self.plan.aggregations, self.report_type.types)):
             leaves = range(first, first + len(structure.leaf_types(t)))
