@@ -46,7 +46,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import big_models as big  # noqa: E402  (its processes, sampler and plain copy)
+import big_models as big
 
 MIB = 1 << 20
 
@@ -170,7 +170,7 @@ def run_one(size: int, db: str, args: argparse.Namespace, work: pathlib.Path) ->
                         answers[i] = own.put(f"/v1/rounds/{round_id}/report",
                                              content=_report(report_layout, float(i + 1)),
                                              headers=clients[i]).status_code
-                    except Exception as e:  # noqa: BLE001 (reported in the row)
+                    except Exception as e:  # reported in the row
                         answers[i] = f"{type(e).__name__}: {e}"
 
             start = time.perf_counter()
@@ -196,7 +196,7 @@ def run_one(size: int, db: str, args: argparse.Namespace, work: pathlib.Path) ->
                 serialization.dense_layout(folder.aggregate_type), total)
         if stop_reason:
             row["error"] = stop_reason[0]
-    except Exception as e:  # noqa: BLE001 (a failing size is a row with its error)
+    except Exception as e:  # a failing size is a row with its error
         row["error"] = stop_reason[0] if stop_reason else f"{type(e).__name__}: {e}"
     finally:
         sampler.stop()
