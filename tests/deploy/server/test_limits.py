@@ -122,6 +122,8 @@ def test_limits_are_checked():
         serve.Limits(header_timeout=0)
     with pytest.raises(ValueError, match="max_connections >= 1"):
         serve.Limits(max_connections=0)
+    with pytest.raises(ValueError, match="stream_report_bytes >= 0"):
+        serve.Limits(stream_report_bytes=-1)
     one_sentence_error(fedlang("serve", "--db", ":memory:", "--body-timeout", "-1"), 1,
                        "body_timeout > 0")
 
