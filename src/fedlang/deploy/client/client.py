@@ -2,9 +2,11 @@
 
 It only ever connects out: enroll once with the population's token (the credential and
 the server's public key can be kept in a file), then loop: check in; if given a task,
-download its signed plan and broadcast value by hash (cached), verify the plan against
-the pinned key, run it on the client's own data (`execution.run_plan`, the simulation
-runtime's local execution) and upload the report; otherwise wait as long as the server
+download its signed plan and broadcast value by hash (the plan cached; the broadcast
+read into the model's own tensors as it arrives, `execution.BroadcastScan`, and let go
+after the round), verify the plan against the pinned key, run it on the client's own
+data (`execution.run_plan`, the simulation runtime's local execution) and upload the
+report (in pieces: a model-sized report is never copied on its way out); otherwise wait as long as the server
 says (pace steering). Every request retries with exponential backoff and jitter, so a
 client rides out a server restart; a rejected credential makes it enroll again.
 
@@ -222,15 +224,13 @@ class Client:
         if task.get("kind") == protocol.TaskKind.BUFFERED:
             return self._run_buffered(task)
         round_plan = self._plan(task["plan"])
-        broadcast = self._blob(task["broadcast"])
+        broadcast = self._broadcast(round_plan, task["broadcast"])
         if task.get("kind") == protocol.TaskKind.SECURE or round_plan.secure:
             return self._run_secure(task["round"], round_plan, broadcast)
         parts = self._run_parts(round_plan, broadcast)
+        del broadcast  # the model: not held while the report is sent
         try:
-            self._request(
-                "PUT", f"{protocol.API}/rounds/{task['round']}/report", content=parts.report,
-                headers={"Content-Type": protocol.BINARY},
-            )
+            self._put(f"{protocol.API}/rounds/{task['round']}/report", parts.report)
         except (protocol.Gone, protocol.Conflict, protocol.Forbidden) as e:
             log.warning("report for round %s refused: %s", task["round"], e)
             return False
@@ -246,10 +246,7 @@ class Client:
         report = plan.run(self._blob(task["broadcast"]), self.data)
         session, version = task["session"], task["version"]
         try:
-            self._request(
-                "PUT", f"{protocol.API}/sessions/{session}/reports/{version}", content=report,
-                headers={"Content-Type": protocol.BINARY},
-            )
+            self._put(f"{protocol.API}/sessions/{session}/reports/{version}", report)
         except (protocol.Gone, protocol.Conflict, protocol.Forbidden) as e:
             log.warning("report for version %s of session %s refused: %s", version, session, e)
             return False
@@ -257,7 +254,13 @@ class Client:
         log.info("reported for version %s of session %s", version, session)
         return True
 
-    def _run_secure(self, round_id: int, round_plan: plan_lib.RoundPlan, broadcast: bytes) -> bool:
+    def _put(self, path: str, body: bytes) -> None:
+        """PUTs binary `body` (a report), in pieces (`connection.Body`): not copied whole."""
+        pieces = connection_lib.Body(body)
+        self._request("PUT", path, content=pieces,
+                      headers={**pieces.headers, "Content-Type": protocol.BINARY})
+
+    def _run_secure(self, round_id: int, round_plan: plan_lib.RoundPlan, broadcast: Any) -> bool:
         """Takes part in a secure round's stages until it has nothing more to do there."""
         path = f"{protocol.API}/rounds/{round_id}/secagg"
         sa: secagg.SecAggClient | None = None
@@ -299,10 +302,7 @@ class Client:
                             round_id, stage, e)
                 break
             try:
-                self._request(
-                    "PUT", f"{path}/{stage}", content=message,
-                    headers={"Content-Type": protocol.BINARY},
-                )
+                self._put(f"{path}/{stage}", message)
             except (protocol.Gone, protocol.Conflict, protocol.Forbidden,
                     protocol.BadRequest) as e:
                 log.warning("round %s: stage %s answer refused: %s", round_id, stage, e)
@@ -319,7 +319,7 @@ class Client:
 
     # -- client state (kept on this device)
 
-    def _run_parts(self, round_plan: plan_lib.RoundPlan, broadcast: bytes) -> execution.ClientReport:
+    def _run_parts(self, round_plan: plan_lib.RoundPlan, broadcast: Any) -> execution.ClientReport:
         """Runs the task on this client's data (and stored state, if the plan has one)."""
         if round_plan.state is None:
             return execution.run_plan_parts(round_plan, broadcast, self.data)
@@ -366,6 +366,18 @@ class Client:
                     len(b) for b in self._blobs.values()) > _KEPT_BLOB_BYTES):
                 self._blobs.pop(next(iter(self._blobs)))
         return self._blobs[h]
+
+    def _broadcast(self, round_plan: plan_lib.RoundPlan, h: str) -> Any:
+        """The round's broadcast in blob `h` (checked against its hash): read into the
+        model's own tensors as it arrives (`execution.BroadcastScan`), never held as
+        bytes nor kept after the round; its bytes (`_blob`) when its type has leaves of
+        no fixed size."""
+        layout = execution.broadcast_layout(round_plan)
+        if layout is None:
+            return self._blob(h)
+        return self._authorized(lambda credential: self.connection.download_into(
+            f"{protocol.API}/blobs/{h}", lambda size: execution.BroadcastScan(layout),
+            token=credential, expected_hash=h))
 
     def _plan(self, h: str) -> plan_lib.RoundPlan:
         """The verified round plan in blob `h`."""

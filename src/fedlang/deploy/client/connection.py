@@ -4,7 +4,11 @@ backoff and jitter while the server is unreachable (e.g. restarting).
 
 A value (a model, an aggregate) is downloaded by `Connection.download`: streamed into
 one buffer of its announced size, its hash checked as it arrives, and a transfer cut
-part way resumed from the bytes received (`Range`), not started over.
+part way resumed from the bytes received (`Range`), not started over;
+`Connection.download_into` hands the bytes to a reader as they arrive instead (a
+client's broadcast, read into the model's own tensors). A large body is sent in pieces
+(`Body`): HTTP/1.1's writer joins each piece it is given into new bytes, so a body
+given whole would be copied whole.
 """
 
 from __future__ import annotations
@@ -15,14 +19,53 @@ import re
 import time
 import typing
 import urllib.parse
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
 from fedlang.deploy import protocol
 
 _RETRY_STATUS = {408, 429, 502, 503, 504}
+PIECE = 1 << 20  # bytes of a body handed to the HTTP writer at a time
+
+
+class Reader(Protocol):
+    """What `Connection.download_into` hands a value's bytes to, in order."""
+
+    def feed(self, data: Any) -> None: ...
+
+
+R = TypeVar("R", bound=Reader)
+
+
+class _Buffer:
+    """A value's bytes in one buffer of its announced size (grown when none was)."""
+
+    def __init__(self, size: int | None):
+        self.data, self.got = bytearray(size or 0), 0
+
+    def feed(self, data: Any) -> None:
+        n = len(data)
+        self.data[self.got:self.got + n] = data  # in place (past the end: grows)
+        self.got += n
+
+
+class Body:
+    """A request's body of bytes as views of `PIECE` bytes (re-iterable: a retry sends
+    it again): `content=body, headers={**body.headers, ...}` (with its `Content-Length`:
+    httpx sends an iterable of unknown length chunked)."""
+
+    def __init__(self, data: Any):
+        self.data = memoryview(data).cast("B")
+
+    def __iter__(self) -> Iterator[memoryview]:
+        for start in range(0, len(self.data), PIECE):
+            yield self.data[start:start + PIECE]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Content-Length": str(len(self.data))}
 
 
 class ServerUnavailable(ConnectionError):
@@ -145,7 +188,21 @@ class Connection:
           BadRequest: bytes of another hash than `expected_hash`.
           what `request` raises.
         """
-        data, digest, got = bytearray(), hashlib.sha256(), 0
+        buffer = self.download_into(path, _Buffer, token=token, expected_hash=expected_hash)
+        del buffer.data[buffer.got:]
+        return typing.cast(bytes, buffer.data)
+
+    def download_into(self, path: str, reader: Callable[[int | None], R], *,
+                      token: str | None = None, expected_hash: str | None = None) -> R:
+        """`download`, handing the bytes to `reader(size)` (the announced size, if any)
+        as they arrive instead of holding them; a value sent again from its start goes
+        to a new reader. Returns the reader, fed every byte once.
+
+        Raises:
+          what `download` raises, and what the reader raises.
+        """
+        made: R | None = None
+        digest, got = hashlib.sha256(), 0
         waits = _Waits(self, f"GET {path}", True)
         while True:
             headers = {"Range": f"bytes={got}-"} if got else {}
@@ -153,19 +210,18 @@ class Connection:
             try:
                 start, total = _content_range(resp)
                 if start == 0 and got:  # the whole value again: start over
-                    data, digest, got = bytearray(), hashlib.sha256(), 0
+                    made, digest, got = None, hashlib.sha256(), 0
                 elif start != got:
                     raise protocol.BadRequest(
                         f"Expected {path} from byte {got} (as asked), found it from byte "
                         f"{start}.")
-                if total is not None and len(data) != total:
-                    data = bytearray(total)  # one buffer of the value's size, filled below
+                if made is None:
+                    made = reader(total)
                 for chunk in resp.iter_bytes():
-                    data[got:got + len(chunk)] = chunk  # in place (past the end: grows)
+                    made.feed(chunk)
                     digest.update(chunk)
                     got += len(chunk)
                 if total is None or got == total:
-                    del data[got:]
                     break
                 problem = f"the body ending after {got} of {total} bytes"
             except httpx.TransportError as e:
@@ -178,7 +234,8 @@ class Connection:
             raise protocol.BadRequest(
                 f"Expected the bytes of blob {expected_hash} from {self.url}{path}, found "
                 "bytes of another hash; the server or the path to it changed them.")
-        return typing.cast(bytes, data)
+        assert made is not None  # made by the first answer
+        return made
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self.request(method, path, **kwargs).json()
