@@ -467,16 +467,36 @@ function sleep(seconds, signal) {
 }
 
 const RETRY_STATUS = new Set([429, 502, 503, 504]);
+const MiB = 2 ** 20;
+// The largest blob a page downloads unless told otherwise: the page holds a blob as one
+// ArrayBuffer and ONNX Runtime makes its own copy of the weights, so a 1 GiB model already
+// takes over 2 GiB of a tab, near what browsers let one tab hold.
+const MAX_BLOB_BYTES = 1024 * MiB;
+// The blobs a client keeps, as the Python client: a plan and a broadcast per round, a few
+// rounds of small ones; a blob larger than KEPT_BLOB_BYTES is kept alone (the one in use).
+const KEPT_BLOBS = 8;
+const KEPT_BLOB_BYTES = 64 * MiB;
+// A download tells its progress each 5% of its length or each 8 MiB, whichever is fewer bytes.
+const PROGRESS_FRACTION = 0.05;
+const PROGRESS_BYTES = 8 * MiB;
+
+function byteSize(n) {
+  return n >= MiB ? `${(n / MiB).toFixed(1)} MiB (${n} bytes)` : `${n} bytes`;
+}
 
 export class FedlangClient {
   // server: the task store's URL (default: this page's origin); population, token: the
   // population and its enrollment token; data: {name: array of batches}; publicKey: the
   // server's key (base64) if pinned in advance; credential: {client_id, credential,
   // public_key} from an earlier enrollment; onEvent: called with progress events;
-  // stateDatabase: the IndexedDB database keeping this client's client states.
+  // stateDatabase: the IndexedDB database keeping this client's client states;
+  // maxBlobBytes: the largest plan or broadcast (the model's weights) it downloads.
   constructor({ server = location.origin, population, token = null, data = {}, publicKey = null,
                 credential = null, onEvent = () => {}, backoff = [0.2, 10], patience = 300,
-                stateDatabase = "fedlang-client-state" } = {}) {
+                stateDatabase = "fedlang-client-state", maxBlobBytes = MAX_BLOB_BYTES } = {}) {
+    if (!(Number.isSafeInteger(maxBlobBytes) && maxBlobBytes > 0)) {
+      throw new FedlangError(`Expected maxBlobBytes a positive whole number of bytes, found ${maxBlobBytes}.`);
+    }
     this.server = server.replace(/\/$/, "");
     this.population = population;
     this.token = token;
@@ -485,6 +505,7 @@ export class FedlangClient {
     this.onEvent = onEvent;
     this.backoff = backoff;
     this.patience = patience;
+    this.maxBlobBytes = maxBlobBytes;
     this.credential = null;
     this.clientId = null;
     this.tasksDone = 0;
@@ -582,14 +603,64 @@ export class FedlangClient {
 
   async blob(hash) {
     if (!this.blobs.has(hash)) {
-      const bytes = new Uint8Array(await (await this.authorized("GET", `${API}/blobs/${hash}`)).arrayBuffer());
+      const bytes = await this.download(hash);
       if (hex(await sha256(bytes)) !== hash) {
         throw new FedlangError(`Expected blob ${hash} from the server, found bytes with another hash.`);
       }
-      if (this.blobs.size > 8) this.blobs.delete(this.blobs.keys().next().value);
       this.blobs.set(hash, bytes);
+      const kept = () => [...this.blobs.values()].reduce((n, b) => n + b.length, 0);
+      while (this.blobs.size > 1 && (this.blobs.size > KEPT_BLOBS || kept() > KEPT_BLOB_BYTES)) {
+        this.blobs.delete(this.blobs.keys().next().value);  // the oldest; the new one stays
+      }
     }
     return this.blobs.get(hash);
+  }
+
+  // Blob `hash`'s bytes, read chunk by chunk into one buffer of the announced length
+  // (arrayBuffer() can hold a body twice). A blob over maxBlobBytes is refused before its
+  // body is read when the server says its length, or as soon as it passes the limit.
+  async download(hash) {
+    const response = await this.authorized("GET", `${API}/blobs/${hash}`);
+    const length = response.headers.get("Content-Length");
+    const total = length === null ? null : Number(length);
+    if (total !== null && total > this.maxBlobBytes) {
+      await response.body?.cancel().catch(() => {});
+      throw this.tooLarge(hash, byteSize(total));
+    }
+    let bytes = new Uint8Array(total ?? Math.min(MiB, this.maxBlobBytes));
+    let received = 0, told = -1;
+    const every = total ? Math.min(PROGRESS_BYTES, total * PROGRESS_FRACTION) : PROGRESS_BYTES;
+    const reader = response.body?.getReader();
+    for (;;) {
+      const { done, value } = reader ? await reader.read() : { done: true };
+      if (done) break;
+      const end = received + value.length;
+      if (end > this.maxBlobBytes) {
+        await reader.cancel().catch(() => {});
+        throw this.tooLarge(hash, `more than ${byteSize(this.maxBlobBytes)}`);
+      }
+      if (end > bytes.length) {  // no length given (or a compressed one): grow
+        const grown = new Uint8Array(Math.min(this.maxBlobBytes, Math.max(2 * bytes.length, end)));
+        grown.set(bytes.subarray(0, received));
+        bytes = grown;
+      }
+      bytes.set(value, received);
+      received = end;
+      if (received - Math.max(told, 0) >= every) {
+        told = received;
+        this.emit("download", { hash, received, total });
+      }
+    }
+    if (told !== received) this.emit("download", { hash, received, total });
+    return received === bytes.length ? bytes : bytes.subarray(0, received);
+  }
+
+  tooLarge(hash, found) {
+    return new FedlangError(
+      `Expected blob ${hash} within maxBlobBytes, this client's limit of ` +
+      `${byteSize(this.maxBlobBytes)}, found ${found}; pass a larger maxBlobBytes to ` +
+      "FedlangClient if this browser has the memory, or use the Python client " +
+      "(fedlang.deploy.Client) for models this large.", 0, "too_large");
   }
 
   // The verified plan's browser task (kept: rounds of one computation share a plan).
