@@ -4,7 +4,7 @@ rounds, the status."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 from fedlang.deploy import protocol
@@ -130,6 +130,15 @@ class Admin:
         """Uploads a blob; returns its hash."""
         return self._json(
             "POST", "/admin/blobs", content=data, headers={"Content-Type": protocol.BINARY}
+        )["hash"]
+
+    def put_blob_parts(self, parts: Iterable[Any], size: int) -> str:
+        """Uploads a blob of `size` bytes sent as it is read from `parts` (bytes-like
+        pieces; iterated again if the upload is retried): a large value is never joined
+        into one buffer. Returns its hash."""
+        return self._json(
+            "POST", "/admin/blobs", content=parts,
+            headers={"Content-Type": protocol.BINARY, "Content-Length": str(size)},
         )["hash"]
 
     def create_round(self, population: str, plan: str, broadcast: str, **options: Any) -> Any:

@@ -23,9 +23,12 @@ runtimes return theirs.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol, cast
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol, cast, runtime_checkable
+
+import numpy as np
 
 from fedlang.core import client_state as client_state_lib
 from fedlang.core import context as core_context
@@ -99,6 +102,67 @@ class RoundRunner(Protocol):
     def run_round(self, plan: plan_lib.RoundPlan, broadcast: bytes) -> RoundResult: ...
 
 
+@runtime_checkable
+class StreamingRoundRunner(Protocol):
+    """A `RoundRunner` that also takes a round without either value held twice (a large
+    model's): the broadcast as the parts of its frame, read from the arrays' own memory
+    (`FrameParts`, sent as it is read), and the round's aggregate returned as a
+    `bytearray` of its own that the caller may overwrite (the round's results are made
+    in its memory: `folding.results_sliced`)."""
+
+    def run_round(self, plan: plan_lib.RoundPlan, broadcast: bytes) -> RoundResult: ...
+
+    def run_round_parts(self, plan: plan_lib.RoundPlan, broadcast: FrameParts) -> RoundResult: ...
+
+
+class FrameParts:
+    """A value's frame (the bytes `serialization.serialize_value` writes) as the pieces
+    that make it: its tensors' own memory, in pieces of at most `PIECE` bytes, framed by
+    `serialization.DenseLayout.parts`. A large model's broadcast is sent from these,
+    never joined into bytes (and an HTTP client that copies what it sends copies one
+    piece at a time). Each iteration makes the frame anew (a retried upload sends it
+    again); `release` lets the arrays go once it is sent.
+
+    Args:
+      value: the value, in internal form.
+      t: its type.
+
+    Raises:
+      TypeError: `t` is not all dense tensors of known shape (`dense_layout`), or
+        `value` is not of type `t`.
+    """
+
+    PIECE = 1 << 20
+
+    def __init__(self, value: Any, t: types.Type):
+        self.layout = serialization.dense_layout(t)
+        self.size = self.layout.size
+        # checked and cast as `serialize_value` checks and casts it (an array of the
+        # type's dtype is taken as it is)
+        internal = structure.to_internal(structure.to_python(value, t), t)
+        self._leaves = [_le_bytes(x) for x in structure.flatten(internal, t)]
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.layout.parts(self._pieces(raw) for raw in self._leaves)
+
+    def _pieces(self, raw: memoryview) -> Iterator[memoryview]:
+        for start in range(0, len(raw), self.PIECE):
+            yield raw[start:start + self.PIECE]
+
+    def release(self) -> None:
+        """Drops the views of the value (an HTTP response may keep its request a while)."""
+        self._leaves = []
+
+
+def _le_bytes(x: Any) -> memoryview:
+    """A tensor's little-endian C-order bytes, as `serialize_value` writes them: a view
+    of its own memory when it has those already (a NumPy array, or a JAX array on the
+    CPU), else a copy."""
+    a = np.asarray(x)
+    a = np.ascontiguousarray(a, a.dtype.newbyteorder("<"))
+    return a.reshape(-1).view(np.uint8).data
+
+
 class LocalRounds:
     """Runs every round on clients simulated in this process, through the real task path.
 
@@ -167,6 +231,9 @@ class LocalRounds:
         return RoundResult(aggregate, len(contributors), time.perf_counter() - start, details)
 
 
+COLLECT_BYTES = 64 << 20  # round values let go of before a collection is worth its ~50 ms
+
+
 class _DeploymentRun(simulation.Run):
     """The simulation runtime's evaluation, with each wave run as a round on clients."""
 
@@ -177,6 +244,7 @@ class _DeploymentRun(simulation.Run):
         self.state_write: tuple[simulation.AggThunk, compiler.StateSource] | None = None
 
     def compute_wave(self, wave: list[simulation.AggThunk]) -> list[Any]:
+        self.deployment._collect_garbage()
         round_plan, broadcast = compiler.build(wave, self.state_write, self.deployment.bounds)
         write = self.state_write[0] if self.state_write is not None else None
         if write is not None and write not in wave and not write.done and round_plan.state:
@@ -186,22 +254,28 @@ class _DeploymentRun(simulation.Run):
                 "each round runs on its own clients. Compute the new states in the client "
                 "work whose results this round aggregates."
             )
-        broadcast_bytes = serialization.serialize_value(
-            structure.to_python(broadcast, round_plan.broadcast_type), round_plan.broadcast_type
-        )
-        if self.deployment.browser is not None:
-            round_plan = self.deployment.browser(round_plan, broadcast_bytes)
-        result = self.deployment.runner.run_round(round_plan, broadcast_bytes)
-        self.deployment.rounds.append(result)
-        results = list(folding.Folder(round_plan).results(result.aggregate))
+        result, reuse = self.deployment._run_round(round_plan, broadcast)
+        del broadcast
+        # The aggregate is read once, here; kept in `rounds` it would hold a model-sized
+        # value for each round run.
+        aggregate = result.aggregate
+        self.deployment.rounds.append(dataclasses.replace(result, aggregate=b""))
+        self.deployment._garbage += len(aggregate)
+        reports = result.reports
+        del result
+        results = folding.results_sliced(folding.Folder(round_plan), aggregate, reuse=reuse)
+        del aggregate  # (reused: the results' memory now)
         for i, a in enumerate(wave):
             if self.state_write is not None and a is self.state_write[0]:
-                results.insert(i, result.reports)  # the states stayed on the clients
+                results.insert(i, reports)  # the states stayed on the clients
         return results
 
 
 class DeploymentContext:
     """Runs computations with their client work on real clients (see the module docstring).
+
+    `rounds` holds what each round returned (`RoundResult`: reports, seconds, details),
+    its aggregate released once the round's results were made from it.
 
     Args:
       runner: how rounds run (`rounds.ServerRounds` against a server, or `LocalRounds`).
@@ -224,6 +298,7 @@ class DeploymentContext:
         self.browser = browser
         self.bounds = bounds
         self.rounds: list[RoundResult] = []
+        self._garbage = 0  # bytes of round values let go since the last collection
         self._entered: list[Any] = []
 
     def __enter__(self) -> DeploymentContext:
@@ -243,6 +318,40 @@ class DeploymentContext:
         if close is not None:
             close()
 
+    def _run_round(self, plan: plan_lib.RoundPlan, broadcast: Any) -> tuple[RoundResult, bool]:
+        """Runs a round of `plan` with `broadcast` (internal form) on the runner; returns
+        its result and whether its aggregate is the caller's to overwrite. A runner that
+        streams (`StreamingRoundRunner`) is sent the broadcast from the arrays' memory,
+        unless browsers need its bytes or its type is not dense tensors."""
+        t = plan.broadcast_type
+        if self.browser is None and isinstance(self.runner, StreamingRoundRunner):
+            try:
+                parts = FrameParts(broadcast, t)
+            except TypeError:
+                pass  # not a model's tensors: small enough to send as bytes
+            else:
+                try:
+                    result = self.runner.run_round_parts(plan, parts)
+                    return result, isinstance(result.aggregate, bytearray)
+                finally:
+                    parts.release()
+                    self._garbage += parts.size
+        broadcast_bytes = serialization.serialize_value(structure.to_python(broadcast, t), t)
+        if self.browser is not None:
+            plan = self.browser(plan, broadcast_bytes)
+        self._garbage += len(broadcast_bytes)
+        return self.runner.run_round(plan, broadcast_bytes), False
+
+    def _collect_garbage(self) -> None:
+        """Collects cyclic garbage once rounds let go of `COLLECT_BYTES` or more: the
+        last invocation's lazy graph (whose aggregation thunks refer to themselves) holds
+        its arguments and results, a model's old weights and update among them, and an
+        HTTP response refers to its request. The collector counts objects, not bytes: a
+        few model-sized arrays would wait for it until rounds later."""
+        if self._garbage >= COLLECT_BYTES:
+            self._garbage = 0
+            gc.collect()
+
     @staticmethod
     def refuse(d: intrinsics.IntrinsicDef, fn_type: types.FunctionType) -> str | None:
         """Why the deployment runtime cannot run an intrinsic (None when it can)."""
@@ -258,6 +367,7 @@ class DeploymentContext:
 
     def invoke(self, comp: Any, arg: Any) -> Any:
         reference.check_runtime_supports(self, comp)
+        self._collect_garbage()  # the last invocation's, before this one's values are made
         t = comp.type_signature
         spec = client_state_lib.spec_of(comp)
         ref = _state_ref(comp, arg, spec)

@@ -1,7 +1,8 @@
 """The driver's side of rounds: rounds run by a server over HTTP.
 
-`ServerRounds` is a `context.RoundRunner`: each round's plan and broadcast value are
-uploaded as blobs, the server opens a round with the cohort options, and the driver
+`ServerRounds` is a `context.RoundRunner` (and a `StreamingRoundRunner`: a large model
+is sent from its arrays' memory): each round's plan and broadcast value are uploaded
+as blobs, the server opens a round with the cohort options, and the driver
 waits (long polling, with a progress line) until the round closes, then reads its
 aggregate. `deployment_context(url, ...)` is the `DeploymentContext` on it: the user's
 ordinary driver loop, run against real clients.
@@ -74,7 +75,18 @@ class ServerRounds:
     def run_round(self, plan: plan_lib.RoundPlan, broadcast: bytes) -> context.RoundResult:
         start = time.perf_counter()
         plan_hash = self.admin.put_blob(plan.to_bytes())
-        broadcast_hash = self.admin.put_blob(broadcast)
+        return self._run(plan_hash, self.admin.put_blob(broadcast), start)
+
+    def run_round_parts(
+        self, plan: plan_lib.RoundPlan, broadcast: context.FrameParts
+    ) -> context.RoundResult:
+        """`run_round` with the broadcast sent as it is read from its parts (a
+        `context.StreamingRoundRunner`); the aggregate is a `bytearray` of its own."""
+        start = time.perf_counter()
+        plan_hash = self.admin.put_blob(plan.to_bytes())
+        return self._run(plan_hash, self.admin.put_blob_parts(broadcast, broadcast.size), start)
+
+    def _run(self, plan_hash: str, broadcast_hash: str, start: float) -> context.RoundResult:
         r = self.admin.create_round(
             self.population, plan_hash, broadcast_hash, request_id=uuid.uuid4().hex,
             **self.options,

@@ -14,6 +14,7 @@ finite contribution.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -24,7 +25,7 @@ import numpy as np
 from fedlang.core import errors, serialization, structure, types
 from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import round as plan_lib
-from fedlang.runtime import accumulate
+from fedlang.runtime import accumulate, chunks
 
 
 class ReportError(ValueError):
@@ -714,3 +715,135 @@ def max_bytes(t: types.Type, unknown: int = 1 << 20) -> int:
         dims = [unknown if d is None else d for d in lt.shape]
         total += math.prod(dims) * np.dtype(lt.dtype).itemsize
     return total
+
+
+# -- results a slice at a time (driver)
+
+
+def results_sliced(folder: Folder, aggregate: bytes | bytearray, reuse: bool = False) -> list[Any]:
+    """`folder.results(aggregate)`, bit for bit, without its model-sized copies.
+
+    `Folder.results` merges the aggregate into accumulators (a copy of each wide total)
+    and finishes them whole (a wide quotient, then the result): for a float32 model's
+    average, two float64 arrays each twice the model's size besides the aggregate. Here
+    a sum's result (`_SUMS`: its total, total / count or total / weight, in its values'
+    dtype) is made `RESULT_SLICE` elements at a time from the aggregate's own bytes by
+    the accumulator's formula, so each element is the same; other aggregations, and
+    leaves of at most `RESULT_SLICE` elements, are finished as the accumulators do.
+
+    With `reuse`, `aggregate` is a bytearray that the caller gives up: each large result
+    is written over the aggregate's bytes from where its total was read (a result is
+    never wider than its total, so a slice written never reaches bytes still to be
+    read), the bytearray is cut to the results' bytes, and those results are views of
+    it. The results then take no memory beyond the aggregate's, and keep only their own
+    share of it (a float32 model's average: half). `aggregate` is not to be read after.
+
+    Raises:
+      ReportError: as `Folder.results`, for bytes that are not an aggregate of the round.
+    """
+    made, placed, end = _results_sliced(folder, aggregate, reuse)
+    if placed:  # no view of the aggregate outlived `_results_sliced`'s frame
+        assert isinstance(aggregate, bytearray)
+        del aggregate[end:]  # less than half left: the allocation shrinks, its pages return
+        for leaves, k, dtype, shape, offset in placed:
+            leaves[k] = np.frombuffer(aggregate, dtype, math.prod(shape), offset).reshape(shape)
+    return [r.result() if isinstance(r, _SumResult) else r for r in made]
+
+
+@dataclasses.dataclass
+class _SumResult:
+    """A sum's result whose leaves are being made (`results_sliced`)."""
+
+    member: types.Type
+    leaves: list[Any]
+
+    def result(self) -> Any:
+        return structure.unflatten(self.leaves, self.member)
+
+
+# Elements of a result made at a time: its temporaries (the wide piece's quotient, the
+# piece in the result's dtype) stay under the sizes that glibc's malloc, once it has
+# freed one, keeps in the heap for the next (a few MiB a round, held by the process).
+RESULT_SLICE = 1 << 17
+
+# Where a large result starts: XLA on the CPU takes a NumPy argument at such an address
+# as it is, and copies one at another (NumPy aligns large arrays to 16 bytes).
+_ALIGN = chunks.ALIGNMENT
+_Placed = tuple[list[Any], int, np.dtype, tuple[int, ...], int]
+
+
+def _results_sliced(
+    folder: Folder, aggregate: bytes | bytearray, reuse: bool
+) -> tuple[list[Any], list[_Placed], int]:
+    """The work of `results_sliced`, in a frame of its own so that no view of the
+    aggregate outlives it: each aggregation's result (`_SumResult` for a sum), the
+    results written in place (their leaves' list, index, dtype, shape and offset in the
+    aggregate), and where the last of them ends."""
+    data: Any = aggregate  # bytes-like: a bytearray is read in place as bytes are
+    value = Folder._decode(data, folder.aggregate_type, None, "an aggregate")
+    base = np.frombuffer(aggregate, np.uint8).ctypes.data
+    made: list[Any] = []
+    large: list[tuple[np.ndarray, np.dtype, Callable[[Any, np.dtype], Any], list[Any], int]] = []
+    for agg, partial, t in zip(folder.plan.aggregations, value, folder.aggregate_type.types):
+        acc = agg.make()
+        if not isinstance(acc, accumulate.Sum) or type(acc) not in _SUMS:
+            if reuse:  # its result may be a view of bytes that a large result overwrites
+                partial = copy.deepcopy(partial)
+            acc.merge(partial)
+            made.append(acc.result())
+            continue
+        finish = _finisher(acc, partial)
+        if finish is None:  # a mean of no reports: its empty value, as `Mean.result` gives
+            made.append(acc.result())
+            continue
+        total, total_t = (partial, t) if type(acc) is accumulate.Sum else (
+            partial[0], t.types[0])  # type: ignore[attr-defined]  # <total, count|weight>
+        pending = _SumResult(acc.member, [])
+        for x, lt in zip(structure.flatten(total, total_t), acc.leaf_types):
+            x = np.asarray(x)
+            if x.size <= RESULT_SLICE:  # whole, exactly as the accumulator does
+                pending.leaves.append(finish(np.array(x, x.dtype), np.dtype(lt.dtype)))
+                continue
+            pending.leaves.append(None)  # made below, once every small value was read
+            large.append((x, np.dtype(lt.dtype), finish, pending.leaves, len(pending.leaves) - 1))
+        made.append(pending)
+    placed: list[_Placed] = []
+    at = 0  # where the next result written in place may begin
+    # in the order of their bytes: a result written never reaches a total still unread
+    for x, dtype, finish, leaves, k in sorted(large, key=lambda job: job[0].ctypes.data):
+        offset = at + (-(base + at) % _ALIGN)
+        out: np.ndarray
+        if reuse and offset <= x.ctypes.data - base and dtype.itemsize <= x.itemsize:
+            out = np.frombuffer(aggregate, dtype, x.size, offset)
+            placed.append((leaves, k, dtype, x.shape, offset))
+            at = offset + out.nbytes
+        else:
+            out = chunks.aligned_empty((x.size,), dtype)
+            leaves[k] = out.reshape(x.shape)
+        flat = x.reshape(-1)
+        for start in range(0, x.size, RESULT_SLICE):
+            # the piece is read whole before it is written: its bytes end before the
+            # source's bytes still to be read begin
+            piece = slice(start, start + RESULT_SLICE)
+            out[piece] = finish(flat[piece], dtype)
+    return made, placed, at
+
+
+def _finisher(acc: Any, partial: Any) -> Callable[[Any, np.dtype], Any] | None:
+    """`(wide total, dtype) -> result` of a sum, by `acc`'s `result` formula with the
+    divisor its `merge(partial)` would hold (elementwise: a piece of the total gives
+    that piece of the result); None for a mean of no reports (`result` is then empty)."""
+    if type(acc) is accumulate.Sum:
+        return lambda total, dtype: total.astype(dtype)
+    if type(acc) is accumulate.Mean:
+        count = int(partial[1])
+        if count == 0:
+            return None
+        return lambda total, dtype: (total / count).astype(dtype)
+    weight = 0.0 + float(partial[1])  # (0.0 + -0.0 is 0.0, as the accumulator's running total)
+
+    def weighted(total: Any, dtype: np.dtype) -> Any:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return (total / weight).astype(dtype)
+
+    return weighted
