@@ -98,8 +98,12 @@ class _Round:
         return self.http.put(f"{API}/rounds/{self.id}/report", content=body,
                              headers=self._as(client))
 
-    def state(self):
-        return self.http.get(f"{API}/admin/rounds/{self.id}", headers=self.admin).json()
+    def state(self, closing=None):
+        """The round's state; with `closing` (its report count), once it is no longer
+        open (a round of stored reports closes right after the answer to the last)."""
+        params = {} if closing is None else {"wait": 60, "seen": closing}
+        return self.http.get(f"{API}/admin/rounds/{self.id}", headers=self.admin,
+                             params=params).json()
 
 
 def _aggregate_sha(db, round_id):
@@ -134,7 +138,7 @@ def test_a_report_larger_than_the_server_may_hold_is_taken(server_process, tmp_p
         resource.prlimit(pid, resource.RLIMIT_AS, (cap, cap))
         answer = r.put(r.clients[0], _report(folder, 0.5))
         assert answer.status_code == 200, answer.text
-        assert r.state()["state"] == "closed"
+        assert r.state(closing=1)["state"] == "closed"
     finally:
         r.http.close()
     assert server.proc.poll() is None, server.log.read_text()[-3000:]
@@ -168,7 +172,7 @@ def test_kill_9_while_a_report_is_half_uploaded_loses_nothing(server_process, tm
         assert again.status_code == 200, again.text
         replay = r.put(second, _report(folder, 2.0))  # and once more: nothing changes
         assert replay.status_code == 200, replay.text
-        state = r.state()
+        state = r.state(closing=2)
         assert (state["state"], state["reports"]) == ("closed", 2)
     finally:
         r.http.close()

@@ -47,7 +47,9 @@ def test_streamed_reports_fold_to_the_aggregate_of_reports_held_whole(server_fac
             assert first.status_code == 200, first.text
             again = s.put(client, report)  # a replay: accepted again, nothing changed
             assert again.status_code == 200, again.text
-        r = s.http.get(f"/v1/admin/rounds/{s.round['id']}", headers=s.admin).json()
+        # the round closes right after the last answer (its close folds the reports)
+        r = s.http.get(f"/v1/admin/rounds/{s.round['id']}", headers=s.admin,
+                       params={"wait": 30, "seen": 3}).json()
         assert (r["state"], r["reports"]) == ("closed", 3)
         aggregate = s.server.app_state.rounds.aggregate(s.round["id"])[1]
         with s.server.store.transaction() as tx:  # folded, then deleted

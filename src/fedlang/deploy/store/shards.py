@@ -27,7 +27,9 @@ transaction, at a fraction of the cost:
   its shards' (`rounds._ROUND_FIELDS`). When the count reaches the target (or the
   deadline passes) the writer closes the round after its commit (`Rounds.close_if_done`,
   the row locked `FOR UPDATE` only then), which merges every shard into the round's
-  aggregate. Two processes committing at once each count without the other's reports,
+  aggregate; before answering the group's reports, except for a round of a large
+  model's stored reports (`Stored`), which closes right after: its close folds each
+  stored report, longer than a client waits for its answer. Two processes committing at once each count without the other's reports,
   so a writer whose group took reports reads the count again once committed: the later
   one sees both. A restarted process starts new shards; the old ones are merged with the
   rest. A report the writer sees after the round reached its target is refused 410 as
@@ -196,16 +198,27 @@ class ReportShards:
                 for p in batch:
                     p.result = e
                 close, check = set(), set()
-            for round_id in sorted(close | check):  # before the answers: a client told its report
-                # (a close that fails now is made by the next report or the deadline tick)
-                with contextlib.suppress(Exception):  # closed the round finds it closed
-                    if round_id in close or self._reached(round_id):
-                        self.rounds.close_if_done(round_id)
+            # Before the answers: a client told its report closed the round finds it
+            # closed. Not a round of stored reports (a large model's): its close folds
+            # each of them, seconds a GB, longer than a client waits for its answer; it
+            # closes right after them (reports that come meanwhile are refused 410 as
+            # after its close: its target is reached).
+            stored = {p.round for p in batch if isinstance(p.checked, Stored)}
+            self._close_if_done(sorted((close | check) - stored), close)
             for p in batch:
                 if isinstance(p.result, BaseException):
                     p.answer.set_exception(p.result)
                 else:
                     p.answer.set_result(bool(p.result))
+            self._close_if_done(sorted((close | check) & stored), close)
+
+    def _close_if_done(self, rounds: list[int], due: set[int]) -> None:
+        """Closes each of `rounds` that is `due`, or that reached its target."""
+        for round_id in rounds:
+            # (a close that fails now is made by the next report or the deadline tick)
+            with contextlib.suppress(Exception):  # closed the round finds it closed
+                if round_id in due or self._reached(round_id):
+                    self.rounds.close_if_done(round_id)
 
     def _commit(self, batch: list[_Pending]) -> tuple[set[int], set[int]]:
         """Takes `batch` in one transaction (see the module docstring); sets each
