@@ -227,6 +227,15 @@ class LayoutScan(wire.FrameScanner):
                                  f"{length} bytes")
 
 
+def tensor_bytes(x: Any, dtype: Any = None) -> memoryview:
+    """A tensor's bytes as `serialize_value` writes them (little-endian, C order), as
+    `DenseLayout.parts` takes them: a view of its own memory where it has those already
+    (a NumPy array, a JAX array on the CPU), else a copy; cast to `dtype` first if given."""
+    a = np.asarray(x) if dtype is None else np.asarray(x, dtype)
+    a = np.ascontiguousarray(a, a.dtype if a.dtype.kind == "b" else a.dtype.newbyteorder("<"))
+    return a.reshape(-1).view(np.uint8).data
+
+
 def dense_layout(type_spec: Any) -> DenseLayout:
     """The `DenseLayout` of a type.
 

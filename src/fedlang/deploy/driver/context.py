@@ -28,8 +28,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, cast, runtime_checkable
 
-import numpy as np
-
 from fedlang.core import client_state as client_state_lib
 from fedlang.core import context as core_context
 from fedlang.core import intrinsic_defs, intrinsics, serialization, signing, structure, types
@@ -140,7 +138,7 @@ class FrameParts:
         # checked and cast as `serialize_value` checks and casts it (an array of the
         # type's dtype is taken as it is)
         internal = structure.to_internal(structure.to_python(value, t), t)
-        self._leaves = [_le_bytes(x) for x in structure.flatten(internal, t)]
+        self._leaves = [serialization.tensor_bytes(x) for x in structure.flatten(internal, t)]
 
     def __iter__(self) -> Iterator[Any]:
         return self.layout.parts(self._pieces(raw) for raw in self._leaves)
@@ -152,15 +150,6 @@ class FrameParts:
     def release(self) -> None:
         """Drops the views of the value (an HTTP response may keep its request a while)."""
         self._leaves = []
-
-
-def _le_bytes(x: Any) -> memoryview:
-    """A tensor's little-endian C-order bytes, as `serialize_value` writes them: a view
-    of its own memory when it has those already (a NumPy array, or a JAX array on the
-    CPU), else a copy."""
-    a = np.asarray(x)
-    a = np.ascontiguousarray(a, a.dtype.newbyteorder("<"))
-    return a.reshape(-1).view(np.uint8).data
 
 
 class LocalRounds:

@@ -213,7 +213,7 @@ def _report(plan: plan_lib.RoundPlan, plain: list[tuple[plan_lib.AggregationPlan
         if _sliced(agg, t):
             pieces += _sliced_pieces(agg, x)
         else:
-            pieces += [[_le_bytes(leaf, lt)] for leaf, lt in zip(
+            pieces += [[serialization.tensor_bytes(leaf, lt.dtype)] for leaf, lt in zip(
                 structure.flatten(_whole(agg, x), t), structure.leaf_types(t))]
     plain.clear()  # each update is held by its pieces alone from here
     out = bytearray(layout.size)
@@ -263,7 +263,7 @@ def _sliced_pieces(agg: plan_lib.AggregationPlan, x: Any) -> list[Any]:
                                  accumulation.client_type(param)), 1)
             total, *more = structure.flatten(acc.report(), acc.report_type)
             extras[:] = more  # the same for every slice
-            yield _le_bytes(total, lt)
+            yield serialization.tensor_bytes(total, lt.dtype)
 
     leaves = structure.flatten(values, member_t)
     pieces: list[Any] = [leaf_pieces(leaf, lt)
@@ -280,14 +280,7 @@ def _no_call(fn: Any, arg: Any) -> Any:
 
 def _extra_piece(extras: list[Any], k: int, lt: types.TensorType) -> Iterator[Any]:
     # read when the frame reaches it, after every slice was reported
-    yield _le_bytes(extras[k], lt)
-
-
-def _le_bytes(x: Any, lt: types.TensorType) -> Any:
-    """A tensor's bytes as `serialize_value` writes them: little-endian, C order."""
-    dtype = np.dtype(lt.dtype)
-    arr = np.ascontiguousarray(x, dtype.newbyteorder("<") if dtype.kind != "b" else dtype)
-    return arr.reshape(-1).view(np.uint8)
+    yield serialization.tensor_bytes(extras[k], lt.dtype)
 
 
 def run_plan(
