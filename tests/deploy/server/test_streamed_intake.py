@@ -4,7 +4,10 @@ in chunks, never held; the round's close folds them a slice at a time. The answe
 refusals and the aggregate are those of reports held whole; nothing of a refused or cut
 report is left in the store."""
 
+import dataclasses
+
 import numpy as np
+import pytest
 
 from fedlang import deploy
 from fedlang.deploy.plans import folding
@@ -91,3 +94,45 @@ def test_a_streamed_report_is_refused_as_one_held_whole_and_nothing_is_kept(
             assert len(tx.all("SELECT * FROM stored_reports")) == 2
     finally:
         s.http.close()
+
+
+@pytest.mark.parametrize("changed", [False, True])
+def test_the_close_folds_ahead_of_its_transaction_unless_its_inputs_changed(
+        server_factory, db_url, sum_round, changed):
+    # The new aggregate is written before the close's write transaction, which only
+    # swaps it in; when the fold's inputs changed meanwhile (here: made to look so), the
+    # close folds in its transaction and what was written ahead is deleted.
+    s = _servers(server_factory, db_url, sum_round, streamed=True, target=2)
+    rounds = s.server.app_state.rounds
+    made = []
+    fold_ahead = rounds._fold_ahead
+
+    def recording(round_id):
+        ahead = fold_ahead(round_id)
+        if ahead is not None and changed:
+            ahead = dataclasses.replace(ahead, inputs=("another", [], []))
+        made.append(ahead)
+        return ahead
+
+    rounds._fold_ahead = recording
+    rows = [[1, 2, 3], [0.5, -4, 8]]
+    folder = folding.Folder(sum_round[0])
+    try:
+        held = folder.empty()
+        for client, row in zip(s.clients, rows):
+            s.checkin(client)
+            report = s.report(row)
+            held = folder.fold(held, folder.check(report))
+            assert s.put(client, report).status_code == 200
+        r = s.http.get(f"/v1/admin/rounds/{s.round['id']}", headers=s.admin,
+                       params={"wait": 30, "seen": 2}).json()
+        assert (r["state"], r["reports"]) == ("closed", 2)
+        assert [a is not None for a in made] == [True]
+        aggregate = rounds.aggregate(s.round["id"])[1]
+        with s.server.store.transaction() as tx:  # the value written ahead, or a new one
+            (value,) = tx.one("SELECT value FROM aggregates WHERE round = ?", (s.round["id"],))
+        assert (str(value) == made[0].staging.id) is not changed
+        assert _leftovers(s.server) == (set(), [], [])
+    finally:
+        s.http.close()
+    assert bytes(aggregate) == bytes(held)

@@ -227,6 +227,25 @@ def aggregate_deleted(round_id: int) -> protocol.Gone:
         "round closes.", reason="deleted")
 
 
+@dataclasses.dataclass(frozen=True)
+class _FoldedAhead:
+    """A round's aggregate folded before its close (`Rounds._fold_ahead`): what it was
+    folded from (`_fold_inputs`) and the staged value it was written to."""
+
+    inputs: tuple[str, list[str], list[str]]
+    staging: values.Staging
+
+
+def _fold_inputs(tx: sql.Tx, round_id: int, shards: list[Any],
+                 stored: list[str]) -> tuple[str, list[str], list[str]]:
+    """What a round's fold takes: its aggregate's value, its shards' (those that hold
+    one) and its stored reports', by id: every write makes a new id, so the same ids
+    are the same bytes."""
+    aggregate = tx.one("SELECT value FROM aggregates WHERE round = ?", (round_id,))
+    return (str(aggregate[0]) if aggregate else "",
+            sorted(str(row[0]) for row in shards if row[0]), stored)
+
+
 def write_aggregate(tx: sql.Tx, round_id: int, data: bytes | Iterable[bytes],
                     reports: int = 0) -> None:
     """Replaces round `round_id`'s aggregate by `data` (a new value; the old one is
@@ -436,10 +455,11 @@ class Rounds:
         with self.store.transaction() as tx:
             return self.round_in(tx, round_id), aggregate_value(tx, round_id)
 
-    def _close(self, tx: sql.Tx, r: Round, now: float) -> None:
+    def _close(self, tx: sql.Tx, r: Round, now: float, ahead: _FoldedAhead | None = None) -> None:
         """Closes (or fails) an open round whose target is met or whose deadline passed
-        (its row locked in `tx`), merging its shards into its aggregate first."""
-        failure = self._merge_shards(tx, r)
+        (its row locked in `tx`), merging its shards into its aggregate first (with
+        `ahead`: as folded before `tx`, if nothing changed since)."""
+        failure = self._merge_shards(tx, r, ahead)
         if failure:
             state = FAILED
         elif r.reports >= r.target or r.reports >= r.quorum:
@@ -467,13 +487,23 @@ class Rounds:
                 end_round(tx, r.id, FAILED, failure, self.store.clock())
             return self.round_in(tx, round_id)
 
-    def _merge_shards(self, tx: sql.Tx, r: Round) -> str:
+    def _merge_shards(self, tx: sql.Tx, r: Round, ahead: _FoldedAhead | None = None) -> str:
         """Folds the round's shards and stored reports into its aggregate and its count,
         and deletes them; returns why the round fails ('' if it does not: their sum
-        overflowing fails it)."""
+        overflowing fails it). With `ahead` (`_fold_ahead`), the fold made before `tx`
+        is taken if it was made of what `tx` finds."""
         rows = tx.all("SELECT value, reports FROM aggregate_shards WHERE round = ?", (r.id,))
         stored = [str(v) for (v,) in tx.all(
             "SELECT value FROM stored_reports WHERE round = ? ORDER BY client", (r.id,))]
+        if ahead is not None and ahead.inputs == _fold_inputs(tx, r.id, rows, stored):
+            value = ahead.staging.finish(tx)
+            old = tx.one("SELECT value FROM aggregates WHERE round = ?", (r.id,))[0]
+            count = sum(int(row[1]) for row in rows)
+            tx.run("UPDATE aggregates SET value = ?, reports = reports + ? WHERE round = ?",
+                   (value.id, count, r.id))
+            values.delete(tx, str(old))
+            self._delete_folded(tx, r, rows, stored)
+            return ""
         if not rows and not stored:
             return ""
         if self.folders is None:
@@ -496,12 +526,57 @@ class Rounds:
             tx.run("UPDATE aggregates SET reports = reports + ? WHERE round = ?", (count, r.id))
             failure = (f"Round {r.id} failed: the partial aggregates of its server processes "
                        f"overflow when merged ({e}); clients must clip their values further.")
-        tx.run("UPDATE rounds SET reports = reports + ? WHERE id = ?", (count, r.id))
+        self._delete_folded(tx, r, rows, stored)
+        return failure
+
+    @staticmethod
+    def _delete_folded(tx: sql.Tx, r: Round, shards: list[Any], stored: list[str]) -> None:
+        """Adds the shards' counts to the round's row and deletes the shards and stored
+        reports folded into its aggregate."""
+        tx.run("UPDATE rounds SET reports = reports + ? WHERE id = ?",
+               (sum(int(row[1]) for row in shards), r.id))
         tx.run("DELETE FROM aggregate_shards WHERE round = ?", (r.id,))
         tx.run("DELETE FROM stored_reports WHERE round = ?", (r.id,))
-        for value in shards + stored:
+        for value in [str(row[0]) for row in shards if row[0]] + stored:
             values.delete(tx, value)
-        return failure
+
+    def _fold_ahead(self, round_id: int) -> _FoldedAhead | None:
+        """A round of stored reports folded before its close's write transaction: its
+        new aggregate written as a staged value (`values.Staging`: a chunk per short
+        transaction, the stored reports read in read transactions), so that the close
+        holds the database's write lock (SQLite's, for every writer) only to swap it in.
+        None for another round, or when folding fails (the close then folds in its
+        transaction, and fails the round on an overflow)."""
+        with self.store.transaction() as tx:
+            r = self.round_in(tx, round_id)
+            due = r.reports >= r.target or r.deadline <= self.store.clock()
+            if not (r.folded and r.state == OPEN and due) or self.folders is None:
+                return None
+            rows = tx.all("SELECT value, reports FROM aggregate_shards WHERE round = ?", (r.id,))
+            stored = [str(v) for (v,) in tx.all(
+                "SELECT value FROM stored_reports WHERE round = ? ORDER BY client", (r.id,))]
+            if not stored:
+                return None
+            inputs = _fold_inputs(tx, r.id, rows, stored)
+            heads = [values.head(tx, v) for v in inputs[1] + inputs[2]]
+            aggregate = aggregate_value(tx, r.id)
+        if aggregate is None or any(h is None for h in heads):
+            return None
+        store = self.store
+
+        def read(value: values.Value, start: int, stop: int) -> bytes:
+            with store.transaction() as rtx:
+                return values.read_range(rtx, value, start, stop)
+
+        staging = values.Staging(store)
+        try:
+            for part in self.folders(r.plan).fold_stored(
+                    read, aggregate, heads[:len(inputs[1])], heads[len(inputs[1]):]):
+                staging.write(part)
+        except (folding.ReportError, values.DamagedValue):
+            staging.discard()
+            return None
+        return _FoldedAhead(inputs, staging)
 
     @staticmethod
     def _fold_stored(tx: sql.Tx, r: Round, folder: folding.Folder, shards: list[str],
@@ -520,14 +595,20 @@ class Rounds:
 
     def close_if_done(self, round_id: int) -> None:
         """Closes an open folded round whose shards reached its target or whose deadline
-        passed (its row locked only now, for the close)."""
+        passed (its row locked only now, for the close; a round of stored reports folded
+        before: `_fold_ahead`)."""
         now = self.store.clock()
-        with self.store.transaction(write=True) as tx:
-            r = self.round_in(tx, round_id, lock=True)
-            if r.folded and r.state == OPEN and (
-                r.reports >= r.target or r.deadline <= now
-            ):
-                self._close(tx, r, now)
+        ahead = self._fold_ahead(round_id)
+        try:
+            with self.store.transaction(write=True) as tx:
+                r = self.round_in(tx, round_id, lock=True)
+                if r.folded and r.state == OPEN and (
+                    r.reports >= r.target or r.deadline <= now
+                ):
+                    self._close(tx, r, now, ahead)
+        finally:
+            if ahead is not None:  # deletes it unless the close took it (then: nothing)
+                ahead.staging.discard()
 
     def round_for_reports(self, tx: sql.Tx, round_id: int) -> Round:
         """A round's row, locked in `tx` only against its close (and deletion): on
