@@ -11,6 +11,7 @@ import pytest
 import fedlang as fl
 from fedlang import deploy
 from fedlang.core import context, serialization, structure
+from fedlang.deploy.client import connection
 from fedlang.deploy.driver import context as context_lib
 from fedlang.deploy.plans import bounds, folding
 from fedlang.learning import algorithms, models
@@ -138,7 +139,7 @@ def test_a_frame_from_the_arrays_memory_is_the_bytes_serialize_value_writes():
     assert parts.size == len(want)
     assert b"".join(parts) == want
     assert b"".join(parts) == want  # a retried upload sends the same bytes
-    assert max(memoryview(p).nbytes for p in parts) <= parts.PIECE
+    assert max(memoryview(p).nbytes for p in parts) <= connection.PIECE
     assert any(np.shares_memory(np.frombuffer(p, np.uint8), internal[4]) for p in parts)
 
 

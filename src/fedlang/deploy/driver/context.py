@@ -32,6 +32,7 @@ from fedlang.core import client_state as client_state_lib
 from fedlang.core import context as core_context
 from fedlang.core import intrinsic_defs, intrinsics, serialization, signing, structure, types
 from fedlang.deploy import secagg
+from fedlang.deploy.client import connection as connection_lib
 from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import compiler, execution, folding
 from fedlang.deploy.plans import round as plan_lib
@@ -115,8 +116,8 @@ class StreamingRoundRunner(Protocol):
 
 class FrameParts:
     """A value's frame (the bytes `serialization.serialize_value` writes) as the pieces
-    that make it: its tensors' own memory, in pieces of at most `PIECE` bytes, framed by
-    `serialization.DenseLayout.parts`. A large model's broadcast is sent from these,
+    that make it: its tensors' own memory, in pieces of at most `connection.PIECE`
+    bytes (`connection.Body`), framed by `serialization.DenseLayout.parts`. A large model's broadcast is sent from these,
     never joined into bytes (and an HTTP client that copies what it sends copies one
     piece at a time). Each iteration makes the frame anew (a retried upload sends it
     again); `release` lets the arrays go once it is sent.
@@ -130,8 +131,6 @@ class FrameParts:
         `value` is not of type `t`.
     """
 
-    PIECE = 1 << 20
-
     def __init__(self, value: Any, t: types.Type):
         self.layout = serialization.dense_layout(t)
         self.size = self.layout.size
@@ -141,11 +140,7 @@ class FrameParts:
         self._leaves = [serialization.tensor_bytes(x) for x in structure.flatten(internal, t)]
 
     def __iter__(self) -> Iterator[Any]:
-        return self.layout.parts(self._pieces(raw) for raw in self._leaves)
-
-    def _pieces(self, raw: memoryview) -> Iterator[memoryview]:
-        for start in range(0, len(raw), self.PIECE):
-            yield raw[start:start + self.PIECE]
+        return self.layout.parts(connection_lib.Body(raw) for raw in self._leaves)
 
     def release(self) -> None:
         """Drops the views of the value (an HTTP response may keep its request a while)."""
