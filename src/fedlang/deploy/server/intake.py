@@ -49,7 +49,7 @@ import asyncio
 import contextlib
 import dataclasses
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -190,20 +190,36 @@ async def read_limited(request: fastapi.Request, limit: int | Limit) -> bytes:
     """
     if not isinstance(limit, Limit):
         limit = Limit(limit, "this route's limit")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit.most:
-        raise limit.refuse(f"{declared} bytes")
     # one buffer of the declared size, filled as the body arrives (chunks then their
     # join held a body twice)
-    body = bytearray(int(declared) if declared is not None and declared.isdigit() else 0)
+    body = bytearray(_declared(request, limit))
     size = 0
-    async for chunk in request.stream():
-        if size + len(chunk) > limit.most:
-            raise limit.refuse("more")
+    async for chunk in _limited(request, limit):
         body[size:size + len(chunk)] = chunk  # in place (past the end, undeclared: grows)
         size += len(chunk)
     del body[size:]
     return typing.cast(bytes, body)  # a bytearray: every reader of bytes here takes it
+
+
+def _declared(request: fastapi.Request, limit: Limit) -> int:
+    """The body's declared length (0 if none), refused (413) above `limit`."""
+    declared = request.headers.get("content-length")
+    if declared is None or not declared.isdigit():
+        return 0
+    if int(declared) > limit.most:
+        raise limit.refuse(f"{declared} bytes")
+    return int(declared)
+
+
+async def _limited(request: fastapi.Request, limit: Limit) -> AsyncIterator[bytes]:
+    """The body's pieces as they arrive, refused (413) once they pass `limit` (its
+    declared length is checked first: `_declared`)."""
+    size = 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit.most:
+            raise limit.refuse("more")
+        yield piece
 
 
 async def take(
@@ -258,14 +274,9 @@ async def _read_into(request: fastapi.Request, limit: Limit, upload: Upload) -> 
     a chunk at a time (the thread pool takes a chunk's check and write: `values.CHUNK`
     bytes, not each piece the network gives), refused (413) as `read_limited` refuses."""
     assert upload.scan is not None and upload.staging is not None
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit.most:
-        raise limit.refuse(f"{declared} bytes")
-    size, pending = 0, bytearray()
-    async for piece in request.stream():
-        size += len(piece)
-        if size > limit.most:
-            raise limit.refuse("more")
+    _declared(request, limit)
+    pending = bytearray()
+    async for piece in _limited(request, limit):
         pending += piece
         if len(pending) >= values.CHUNK:
             await concurrency.run_in_threadpool(_pass, upload, bytes(pending))
