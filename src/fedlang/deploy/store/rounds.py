@@ -246,12 +246,16 @@ def _fold_inputs(tx: sql.Tx, round_id: int, shards: list[Any],
             sorted(str(row[0]) for row in shards if row[0]), stored)
 
 
-def write_aggregate(tx: sql.Tx, round_id: int, data: bytes | Iterable[bytes],
+def write_aggregate(tx: sql.Tx, round_id: int, data: bytes | Iterable[bytes] | values.Value,
                     reports: int = 0) -> None:
-    """Replaces round `round_id`'s aggregate by `data` (a new value; the old one is
-    deleted: its bytes, or their parts as made) and adds `reports` to its count, in `tx`."""
+    """Replaces round `round_id`'s aggregate by `data` (its bytes, or their parts as
+    made, written as a new value; or a value written already) and adds `reports` to its
+    count, in `tx`; the old value is deleted."""
     old = tx.one("SELECT value FROM aggregates WHERE round = ?", (round_id,))[0]
-    value = values.write(tx, [data] if isinstance(data, bytes | bytearray) else data)
+    if isinstance(data, values.Value):
+        value = data
+    else:
+        value = values.write(tx, [data] if isinstance(data, bytes | bytearray) else data)
     tx.run("UPDATE aggregates SET value = ?, reports = reports + ? WHERE round = ?",
            (value.id, reports, round_id))
     values.delete(tx, str(old))
@@ -496,12 +500,8 @@ class Rounds:
         stored = [str(v) for (v,) in tx.all(
             "SELECT value FROM stored_reports WHERE round = ? ORDER BY client", (r.id,))]
         if ahead is not None and ahead.inputs == _fold_inputs(tx, r.id, rows, stored):
-            value = ahead.staging.finish(tx)
-            old = tx.one("SELECT value FROM aggregates WHERE round = ?", (r.id,))[0]
-            count = sum(int(row[1]) for row in rows)
-            tx.run("UPDATE aggregates SET value = ?, reports = reports + ? WHERE round = ?",
-                   (value.id, count, r.id))
-            values.delete(tx, str(old))
+            write_aggregate(tx, r.id, ahead.staging.finish(tx),
+                            reports=sum(int(row[1]) for row in rows))
             self._delete_folded(tx, r, rows, stored)
             return ""
         if not rows and not stored:
@@ -558,20 +558,19 @@ class Rounds:
             if not stored:
                 return None
             inputs = _fold_inputs(tx, r.id, rows, stored)
-            heads = [values.head(tx, v) for v in inputs[1] + inputs[2]]
-            aggregate = aggregate_value(tx, r.id)
-        if aggregate is None or any(h is None for h in heads):
-            return None
-        store = self.store
+            store = self.store
 
-        def read(value: values.Value, start: int, stop: int) -> bytes:
-            with store.transaction() as rtx:
-                return values.read_range(rtx, value, start, stop)
+            def read(value: values.Value, start: int, stop: int) -> bytes:
+                with store.transaction() as rtx:
+                    return values.read_range(rtx, value, start, stop)
 
+            try:  # (the heads read now; the bytes as the parts are made, below)
+                parts = self._fold_stored(tx, r, self.folders(r.plan), inputs[1], inputs[2], read)
+            except values.DamagedValue:
+                return None
         staging = values.Staging(store)
         try:
-            for part in self.folders(r.plan).fold_stored(
-                    read, aggregate, heads[:len(inputs[1])], heads[len(inputs[1]):]):
+            for part in parts:
                 staging.write(part)
         except (folding.ReportError, values.DamagedValue):
             staging.discard()
@@ -580,9 +579,16 @@ class Rounds:
 
     @staticmethod
     def _fold_stored(tx: sql.Tx, r: Round, folder: folding.Folder, shards: list[str],
-                     stored: list[str]) -> Iterable[bytes]:
+                     stored: list[str],
+                     read: Callable[[values.Value, int, int], bytes] | None = None,
+                     ) -> Iterable[bytes]:
         """The parts of round `r`'s aggregate with its shards and stored reports folded
-        in, made a slice at a time as they are written (`Folder.fold_stored`)."""
+        in, made a slice at a time as they are written (`Folder.fold_stored`); their
+        heads read in `tx`, their bytes by `read` (by default in `tx` too).
+
+        Raises:
+          DamagedValue: one of them is missing.
+        """
         aggregate = aggregate_value(tx, r.id)
         heads = [values.head(tx, v) for v in shards + stored]
         if aggregate is None or any(h is None for h in heads):
@@ -590,7 +596,7 @@ class Rounds:
                 f"Expected round {r.id}'s aggregate, shards and stored reports, found one "
                 "missing; the database was changed outside fedlang or damaged.")
         return folder.fold_stored(
-            lambda value, start, stop: values.read_range(tx, value, start, stop),
+            read or (lambda value, start, stop: values.read_range(tx, value, start, stop)),
             aggregate, heads[:len(shards)], heads[len(shards):])
 
     def close_if_done(self, round_id: int) -> None:
