@@ -6,7 +6,9 @@
 #      (python -m fedlang.deploy.assets; no npm needed; checked against pinned
 #      SHA-256s; a wheel gets them at build time, see setup.py);
 #   2. Debian's Chromium at /usr/bin/chromium, installed with apt-get when missing (as
-#      root): a change to the system, which the README's test command states.
+#      root, without its recommended packages: avahi, cups and the like are 160 of
+#      the 400 packages it would pull into an empty system): a change to the system,
+#      which the README's test command states.
 # FEDLANG_BROWSER_SETUP=0 installs nothing (the tests use what is already there).
 # Without a network each step gives up within about a minute.
 # Output goes to build/browser_setup.log as well.
@@ -15,6 +17,8 @@ cd "$(dirname "$0")/.."
 mkdir -p build
 LOG=build/browser_setup.log
 PY=${FEDLANG_PYTHON:-.venv/bin/python}
+# Where the tests look for Chromium; another path only to test this script.
+CHROMIUM=${FEDLANG_CHROMIUM:-/usr/bin/chromium}
 : > "$LOG"
 say() { echo "browser setup: $*" | tee -a "$LOG" >&2; }
 
@@ -29,11 +33,11 @@ if ! npm_config_fetch_retries=1 npm_config_fetch_retry_maxtimeout=10000 \
   say "onnxruntime-web or uPlot could not be installed (npm missing or no network? see $LOG); the browser and dashboard tests will be skipped."
 fi
 
-if [ ! -x /usr/bin/chromium ]; then
+if [ ! -x "$CHROMIUM" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     say "installing Debian's chromium with apt-get (a system package; FEDLANG_BROWSER_SETUP=0 skips this)..."
     APT=(-q -o Acquire::Retries=0 -o Acquire::http::Timeout=20 -o Acquire::https::Timeout=20)
-    if ! { apt-get "${APT[@]}" update && DEBIAN_FRONTEND=noninteractive apt-get "${APT[@]}" install -y chromium; } >>"$LOG" 2>&1; then
+    if ! { apt-get "${APT[@]}" update && DEBIAN_FRONTEND=noninteractive apt-get "${APT[@]}" install -y --no-install-recommends chromium; } >>"$LOG" 2>&1; then
       say "apt-get could not install chromium (no network? see $LOG); the browser tests will be skipped."
     fi
   else
