@@ -85,9 +85,12 @@ def train(aggregator=None, *, rounds=15, attackers=0.0, broadcast_encoder=None):
         weights_t = models.ModelWeights(*model_fn().weights_type())
         distributor = build_encoded_broadcast_process(
             model_fn().weights_type(), broadcast_encoder, seed=0) if weights_t else None
-    process = fed_avg.build_weighted_fed_avg(
-        model_fn, optax.sgd(0.1), optax.sgd(1.0), model_aggregator=aggregator,
-        model_distributor=distributor)
+    # The robust aggregators (median, trimmed mean, ...) weigh every client equally.
+    build = (fed_avg.build_unweighted_fed_avg
+             if isinstance(aggregator, aggregators.UnweightedAggregationFactory)
+             else fed_avg.build_weighted_fed_avg)
+    process = build(model_fn, optax.sgd(0.1), optax.sgd(1.0), model_aggregator=aggregator,
+                    model_distributor=distributor)
     data = client_datasets(attackers=attackers)
     state, history = process.initialize(), []
     for _ in range(rounds):

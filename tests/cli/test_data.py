@@ -71,3 +71,18 @@ def test_data_convert_advice_names_the_overwrite_flag(tmp_path):
     result = fedlang("data", "convert", "d.csv", "s", "--client-column", "user", cwd=tmp_path)
     one_sentence_error(result, 1, "Pass --overwrite")
     assert "overwrite=True" not in result[2]
+
+
+def test_a_wrong_file_for_a_csv_dataset_is_named_never_printed(tmp_path):
+    # issue 37: an .npz given as a CSV file printed pyarrow's message with the file's
+    # bytes (NULs, control characters) on the terminal
+    np.savez(tmp_path / "data.npz", x=np.zeros((4, 2), np.float32), y=np.arange(4))
+    (tmp_path / "bell.csv").write_bytes(b"user,a\nu1,1\nu2,\x07beep,\x1b[31mred\n")
+    npz, bell = results = [fedlang("data", "inspect", name, "--format", "csv", "--client-column",
+                                   "user", cwd=tmp_path) for name in ("data.npz", "bell.csv")]
+    one_sentence_error(npz, 1, "Expected a CSV file at data.npz, found a zip archive (an .npz?).")
+    # a real parse error still says what pyarrow found, its control characters escaped
+    one_sentence_error(bell, 1, "at bell.csv, found unparsable data", "Expected 2 columns, got 3",
+                       r"u2,\x07beep,\x1b[31mred")
+    for _, _, err in results:
+        assert not any(c < " " for c in err.replace("\n", "")), repr(err)

@@ -261,3 +261,52 @@ def test_tffs_assign_weights_to_is_answered_with_fedlangs():
                                              r"models.assign_weights_to_keras_model\(keras_model, weights\)"):
         weights.assign_weights_to(None)
     assert weights._replace(non_trainable=1).non_trainable == 1  # a NamedTuple still
+
+
+# -- a newcomer's first hour (issue 37) ---------------------------------------------------
+
+TFF_SPEC = {"x": (np.float32, [None, 4]), "y": (np.int64, [None, 1])}  # TFF's tf.int64 labels
+TFF_INT64 = (
+    "Expected 32-bit types in the model's input_spec (JAX runs in 32 bits), found "
+    "input_spec['y'] of type int64[?,1]. Use int32 (TFF's tf.int64 becomes int32 in fedlang; "
+    "see 'Coming from TensorFlow Federated' in fedlang's documentation), or enable "
+    "jax_enable_x64.")
+
+
+def test_a_64_bit_input_spec_field_is_named_not_an_inner_computation():
+    # TFF ports failed in tracing: "client_update's parameter has a 64-bit type int64[?,1]"
+    with pytest.raises(TypeError) as e:
+        algorithms.build_weighted_fed_avg(_linear(TFF_SPEC), optax.sgd(0.1))
+    assert str(e.value) == TFF_INT64
+    with pytest.raises(TypeError, match=r"found input_spec\['x'\] of type float64\[\?,4\]\. Use "
+                                        r"float32, or enable jax_enable_x64\.$"):
+        _linear({"x": (np.float64, [None, 4]), "y": (np.int32, [None])})()
+    with pytest.raises(TypeError, match=r"found input_spec\[1\] of type uint64\[\?\]\. Use uint32 "):
+        _linear(((np.float32, [None, 4]), (np.uint64, [None])))()
+
+
+def test_a_64_bit_input_spec_is_taken_with_64_bit_jax():
+    import jax
+
+    with jax.enable_x64(True):
+        assert str(_linear(TFF_SPEC)().input_spec) == "<x=float32[?,4],y=int64[?,1]>"
+
+
+@needs_keras
+def test_a_tff_reconstruction_port_with_int64_ids_names_the_field():
+    # TFF's reconstruction tutorial: int64 item ids in, a user embedding kept on clients
+    item_ids = keras.Input((1,), dtype="int32")
+    items = keras.layers.Flatten()(keras.layers.Embedding(5, 2, name="items")(item_ids))
+    users = keras.layers.Dense(2, name="user")(items)
+    keras_model = keras.Model(item_ids, keras.layers.Dot(1)([items, users]))
+    spec = {"x": (np.int64, [None, 1]), "y": (np.float32, [None, 1])}
+
+    def recon_fn():
+        return models.ReconstructionModel.from_keras_model_and_layers(
+            keras_model, global_layers=[keras_model.get_layer("items")],
+            local_layers=[keras_model.get_layer("user")], loss=keras.losses.MeanSquaredError(),
+            input_spec=spec)
+
+    with pytest.raises(TypeError, match=r"found input_spec\['x'\] of type int64\[\?,1\]\. Use "
+                                        r"int32 \(TFF's tf\.int64 becomes int32 in fedlang"):
+        algorithms.build_fed_recon(recon_fn)

@@ -140,3 +140,44 @@ def test_tffs_aggregation_and_server_keywords_are_answered():
         algorithms.build_fed_sgd(model_fn, server_optimizer_fn=lambda: optax.sgd(1.0))
     with pytest.raises(TypeError, match="has no loop_implementation="):
         algorithms.build_fed_eval(model_fn, loop_implementation=None)
+
+
+# -- issue 37, item 11: a weighted builder given an unweighted aggregator ------------------
+
+def test_a_weighted_builder_refuses_an_unweighted_aggregator_as_tff_does():
+    from fedlang import aggregators
+    from fedlang.learning import dp_aggregator, robust_aggregator
+
+    # arrange: dp_aggregator() is unweighted; it averaged the updates without their weights
+    dp = dp_aggregator(1.0, 100)
+    # act / assert
+    with pytest.raises(TypeError) as e:
+        algorithms.build_weighted_fed_avg(model_fn, optax.sgd(0.1), model_aggregator=dp)
+    assert str(e.value) == (
+        "Expected a weighted model_aggregator for build_weighted_fed_avg() (a "
+        "WeightedAggregationFactory, e.g. MeanFactory() or robust_aggregator()), found "
+        f"{type(dp).__name__}, an unweighted one, which would average the clients' updates "
+        "without their weights (client_weighting='num_examples'). Use build_unweighted_fed_avg "
+        "or client_weighting='uniform' for an unweighted aggregator (such as dp_aggregator() or "
+        "MedianFactory()), or pass a weighted one.")
+    median = aggregators.MedianFactory()
+    builds = {
+        "build_fed_prox": lambda: algorithms.build_fed_prox(
+            model_fn, 0.1, optax.sgd(0.1), model_aggregator=median),
+        "build_fed_adam": lambda: algorithms.build_fed_adam(
+            model_fn, optax.sgd(0.1), model_aggregator=median),
+        "build_fed_sgd": lambda: algorithms.build_fed_sgd(model_fn, model_aggregator=median),
+        "build_mime_lite": lambda: algorithms.build_mime_lite(
+            model_fn, optax.sgd(0.1), model_aggregator=median),
+    }
+    for name, build in builds.items():
+        with pytest.raises(TypeError, match=rf"for {name}\(\) .*found MedianFactory, an unweighted"):
+            build()
+    with pytest.raises(TypeError, match=r"Use build_unweighted_fed_avg\(model_fn, client_optimizer, "
+                                        r"optax\.adam\(\.\.\.\)\) or client_weighting='uniform'"):
+        builds["build_fed_adam"]()
+    # the unweighted builder, uniform weights (every weight 1) and weighted factories are taken
+    algorithms.build_unweighted_fed_avg(model_fn, optax.sgd(0.1), model_aggregator=dp)
+    algorithms.build_weighted_fed_avg(model_fn, optax.sgd(0.1), client_weighting="uniform",
+                                      model_aggregator=dp)
+    algorithms.build_weighted_fed_avg(model_fn, optax.sgd(0.1), model_aggregator=robust_aggregator())

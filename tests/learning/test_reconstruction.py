@@ -5,6 +5,7 @@ import functools
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -200,3 +201,80 @@ def test_a_keras_model_split_by_layers_as_in_tff():
         Recon.from_keras_model_and_layers(
             keras_model, global_layers=[shared, head], local_layers=[head], loss=loss,
             input_spec=spec)
+
+
+def test_tffs_older_reconstruction_names_are_answered_with_fedlangs():
+    # issue 37: a port of TFF's tff.learning.reconstruction tutorial met a bare AttributeError
+    import fedlang as fl
+
+    old = fl.learning.reconstruction  # as TFF's tff.learning.reconstruction, no import needed
+    said = {}
+    for name in ("build_training_process", "build_federated_evaluation", "Model"):
+        with pytest.raises(AttributeError) as e:
+            getattr(old, name)
+        said[name] = str(e.value)
+        assert e.value.name == name
+    assert said["build_training_process"] == (
+        "fedlang.learning.reconstruction has no build_training_process (TFF's "
+        "tff.learning.reconstruction.build_training_process, renamed in TFF too); fedlang's is "
+        "fedlang.learning.algorithms.build_fed_recon(model_fn, ...).")
+    assert said["build_federated_evaluation"].endswith(
+        "fedlang's is fedlang.learning.algorithms.build_fed_recon_eval(model_fn, ...).")
+    assert said["Model"].endswith("fedlang's is fedlang.learning.models.ReconstructionModel.")
+    with pytest.raises(AttributeError, match=r"^module 'fedlang.learning.reconstruction' has no "
+                                             r"attribute 'build_fed_recon'$"):
+        old.build_fed_recon  # noqa: B018
+
+
+def test_the_finalizer_reports_update_non_finite_as_tffs():
+    # issue 37: TFF's apply_optimizer_finalizer measures {'update_non_finite': 0 or 1};
+    # fedlang's reported {}
+    process = algorithms.build_fed_recon(model_fn)
+    data = client_data()
+    nan = [{**b, "x": np.full_like(b["x"], np.nan)} for b in data[0]]
+    state = process.initialize()
+    state, metrics = process.next(state, data)
+    assert {k: int(v) for k, v in metrics["finalizer"].items()} == {"update_non_finite": 0}
+    kept = process.get_model_weights(state)
+    state, metrics = process.next(state, [nan])
+    assert {k: int(v) for k, v in metrics["finalizer"].items()} == {"update_non_finite": 1}
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(process.get_model_weights(state))):
+        np.testing.assert_array_equal(a, b)  # and the model was kept
+
+
+def test_tffs_matrix_factorization_trains_with_the_user_embedding_broadcast():
+    # docs/from-tff.md: Keras 3's Dot does not broadcast the (1, k) user embedding of TFF's
+    # reconstruction tutorial; the layer returns one row per example instead
+    keras = pytest.importorskip("keras")
+
+    class UserEmbedding(keras.layers.Layer):
+        def __init__(self, num_latent_factors, **kwargs):
+            super().__init__(**kwargs)
+            self.num_latent_factors = num_latent_factors
+
+        def build(self, input_shape):
+            self.embedding = self.add_weight(shape=(1, self.num_latent_factors),
+                                             initializer="uniform")
+
+        def call(self, inputs):
+            return keras.ops.broadcast_to(
+                self.embedding, (keras.ops.shape(inputs)[0], self.num_latent_factors))
+
+    item_input = keras.Input(shape=[1], dtype="int32")
+    item_embedding = keras.layers.Embedding(5, 3)
+    flat_items = keras.layers.Flatten()(item_embedding(item_input))
+    user_embedding = UserEmbedding(3)
+    pred = keras.layers.Dot(1)([user_embedding(item_input), flat_items])
+    keras_model = keras.Model(item_input, pred)
+    recon = Recon.from_keras_model_and_layers(
+        keras_model, global_layers=[item_embedding], local_layers=[user_embedding],
+        loss=keras.losses.MeanSquaredError(),
+        input_spec={"x": (np.int32, [None, 1]), "y": (np.float32, [None, 1])})
+    process = algorithms.build_fed_recon(lambda: recon)
+    rng = np.random.default_rng(0)
+    data = [[{"x": rng.integers(0, 5, (4, 1)).astype(np.int32),
+              "y": rng.uniform(1, 5, (4, 1)).astype(np.float32)} for _ in range(4)]
+            for _ in range(2)]
+    _, metrics = process.next(process.initialize(), data)
+    assert int(metrics["client_work"]["train"]["num_examples"]) == 16  # the odd batches
+    assert np.isfinite(metrics["client_work"]["train"]["loss"])

@@ -19,6 +19,7 @@ from fedlang.learning import models as models
 from fedlang.learning import non_trainable as non_trainable
 from fedlang.learning import optimizers as optimizers
 from fedlang.learning import personalization as personalization
+from fedlang.learning import reconstruction as reconstruction
 from fedlang.learning import sparse as sparse
 from fedlang.learning import templates as templates
 from fedlang.learning.buffered import BufferedLearningProcess as BufferedLearningProcess

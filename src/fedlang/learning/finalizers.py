@@ -26,15 +26,17 @@ def build_apply_optimizer_finalizer(
     The update points like a gradient (initial minus trained weights), so
     `optax.sgd(1.0)` moves the model to the clients' average, and `optax.adam`,
     `optax.yogi`, `optax.adagrad` give FedAdam, FedYogi and FedAdagrad. A non-finite
-    aggregate (every client excluded) leaves the model and optimizer state unchanged.
+    aggregate (every client excluded) leaves the model and optimizer state unchanged;
+    the measurements say so, as TFF's: `{'update_non_finite': 1}` (else 0, int32).
 
     Args:
       server_optimizer: an Optax transformation, or `round_num -> transformation`.
       weights_type: the local type of the `ModelWeights`.
 
     Returns:
-      A `FinalizerProcess` with state `{'round_num', 'optimizer_state'}`; its hparams
-      are the optimizer's injected hyperparameters (`optax.inject_hyperparams`).
+      A `FinalizerProcess` with state `{'round_num', 'optimizer_state'}` and
+      measurements `{'update_non_finite'}`; its hparams are the optimizer's injected
+      hyperparameters (`optax.inject_hyperparams`).
     """
     optimizer_fn = optimizers.as_optimizer_fn(server_optimizer, "server_optimizer")
     weights_t = types.to_type(weights_type)
@@ -71,13 +73,15 @@ def build_optimizer_finalizer(
         "optimizer_state": jax.tree.map(np.asarray, optimizer_fn(jnp.int32(0)).init(zeros)),
     }
     state_t = types.to_type(initial_state)
+    # TFF's measurement: 1 when the update had a NaN or Inf (and was not applied), else 0.
+    measurements_t = types.to_type({"update_non_finite": np.int32})
 
     @jax_backend.jax_computation()
     def initial_state_fn():
         return initial_state
 
     @jax_backend.jax_computation(
-        state_t, weights_type, params_type, result_type=(state_t, weights_type))
+        state_t, weights_type, params_type, result_type=(state_t, weights_type, measurements_t))
     def apply_update(state, weights, update):
         opt = optimizer_fn(state["round_num"])
         params = get_params(weights)
@@ -90,7 +94,8 @@ def build_optimizer_finalizer(
             (params, state["optimizer_state"]),
         )
         new_state = {"round_num": state["round_num"] + 1, "optimizer_state": opt_state}
-        return new_state, set_params(weights, new_params)
+        non_finite = {"update_non_finite": jnp.where(ok, 0, 1).astype(jnp.int32)}
+        return new_state, set_params(weights, new_params), non_finite
 
     @tracing.federated_computation()
     def initialize():
@@ -102,9 +107,7 @@ def build_optimizer_finalizer(
     )
     def next_fn(state, weights, update):
         out = operators.federated_map(apply_update, (state, weights, update))
-        return core_processes.MeasuredProcessOutput(
-            out[0], out[1], operators.federated_value({}, types.SERVER)
-        )
+        return core_processes.MeasuredProcessOutput(out[0], out[1], out[2])
 
     return templates.FinalizerProcess(
         initialize, next_fn, optimizers.get_state_hparams,

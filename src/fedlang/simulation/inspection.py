@@ -119,9 +119,7 @@ def open_source(path: str | os.PathLike, fmt: str = "auto", *, split: str | None
             num_examples=raw.num_examples)
     if fmt == "csv":
         if client_column is None:
-            import pyarrow.csv as pacsv
-
-            names = pacsv.read_csv(path).column_names
+            names = tabular.column_names(path)
             raise ValueError(
                 f"Expected the client-id column of {path}, found none given; its columns are "
                 f"{names}. Pass --client-column NAME."

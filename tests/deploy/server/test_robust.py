@@ -44,7 +44,7 @@ CLIENTS = [_client_batches(i) for i in range(5)]
 
 @pytest.mark.parametrize("aggregator", [MedianFactory(), TrimmedMeanFactory(0.2)], ids=["median", "trimmed"])
 def test_robust_fed_avg_through_a_server_equals_the_simulation(aggregator, server_factory, client_threads):
-    process = algorithms.build_weighted_fed_avg(_model_fn, optax.sgd(0.5), model_aggregator=aggregator)
+    process = algorithms.build_unweighted_fed_avg(_model_fn, optax.sgd(0.5), model_aggregator=aggregator)
     with fl.runtime.simulation_context():
         state = sim_state = process.initialize()
         for _ in range(2):
@@ -69,7 +69,7 @@ def test_robust_fed_avg_through_a_server_equals_the_simulation(aggregator, serve
 
 
 def _median_round():
-    process = algorithms.build_weighted_fed_avg(_model_fn, optax.sgd(0.5), model_aggregator=MedianFactory())
+    process = algorithms.build_unweighted_fed_avg(_model_fn, optax.sgd(0.5), model_aggregator=MedianFactory())
     with fl.runtime.simulation_context():
         state = process.initialize()
     return capture(process.next, state, deploy.client_data("train"))

@@ -14,6 +14,11 @@ from collections.abc import Iterator
 
 import numpy as np
 
+# Array kinds a plan computes on (numpy's dtype.kind): bool, integers, floats, complex.
+_NUMERIC = "biufc"
+_KINDS = {"U": "text", "S": "bytes", "O": "Python objects, pickled", "V": "raw records",
+          "M": "dates", "m": "time spans"}
+
 
 class NpzDataset:
     """The rows of an `.npz` file's arrays, in batches (the file is read when iterated).
@@ -22,8 +27,10 @@ class NpzDataset:
 
     Raises:
       FileNotFoundError: if there is no file at `path`.
-      ValueError: if it is not an `.npz` file of numeric arrays with as many rows each
-        (checked from the arrays' headers; the data are read when iterated).
+      ValueError: if it is not an `.npz` file of numeric arrays (bool, integer, float or
+        complex; text, bytes and objects are refused, naming the array and its dtype)
+        with as many rows each (checked from the arrays' headers; the data are read when
+        iterated).
     """
 
     def __init__(self, path: str | os.PathLike[str], batch_size: int = 20):
@@ -42,7 +49,7 @@ class NpzDataset:
             )
         if not path.is_file():  # a pipe or a device: reading it now would consume it
             return
-        shapes = {}
+        shapes, dtypes = {}, {}
         try:
             with zipfile.ZipFile(path) as z:
                 for member in z.namelist():
@@ -52,14 +59,21 @@ class NpzDataset:
                                 else np.lib.format.read_array_header_2_0)
                         shape, _, dtype = read(f)
                     name = member.removesuffix(".npy")
-                    if dtype.hasobject:
-                        raise ValueError(f"array {name!r} of Python objects (pickled)")
-                    shapes[name] = shape
+                    shapes[name], dtypes[name] = shape, dtype
         except (zipfile.BadZipFile, ValueError, OSError) as e:
             raise ValueError(
                 f"Expected {path} to be an .npz file of numeric arrays, found another file "
                 f"({e}); {fix}."
             ) from e
+        for name, dtype in dtypes.items():
+            # Plans compute on numbers: text or objects would fail later, inside a task.
+            if dtype.kind not in _NUMERIC:
+                what = _KINDS["O"] if dtype.hasobject else _KINDS.get(dtype.kind, "not numbers")
+                raise ValueError(
+                    f"Expected {path} to hold numeric arrays, found array {name!r} of dtype "
+                    f"{dtype} ({what}); convert it to numbers (e.g. class ids) or leave it out; "
+                    f"{fix}."
+                )
         rows = {k: s[0] if s else None for k, s in shapes.items()}
         if not rows:
             raise ValueError(f"Expected {path} to hold arrays, found none; {fix}.")

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import jax
 
+from fedlang import aggregators
 from fedlang.backends.jax import computation as jax_backend
 from fedlang.core import computation, types
 from fedlang.learning import (
@@ -71,7 +72,8 @@ def make_model(model_fn: Callable[[], model_lib.Model]) -> model_lib.Model:
     """Calls `model_fn()` and checks it returns a fedlang model.
 
     Raises:
-      TypeError: when `model_fn` is not a no-argument function returning a `Model`.
+      TypeError: when `model_fn` is not a no-argument function returning a `Model`, or
+        the model's `input_spec` has a 64-bit field while JAX runs in 32 bits.
     """
     if isinstance(model_fn, model_lib.Model) or not callable(model_fn):
         raise TypeError(
@@ -84,7 +86,41 @@ def make_model(model_fn: Callable[[], model_lib.Model]) -> model_lib.Model:
             "Expected model_fn() to return a fedlang.learning.models.Model (FunctionalModel, "
             f"from_keras_model, from_flax), found {type(model).__name__}."
         )
+    model_lib.check_32_bit(model.input_spec)  # a Model subclass sets input_spec itself
     return model
+
+
+def check_weighted_aggregator(
+    model_aggregator: Any, client_weighting: str, builder: str, fix: str = ""
+) -> None:
+    """Refuses an unweighted `model_aggregator` for a builder that weighs the clients.
+
+    An unweighted factory averages the updates as if every client had the same weight;
+    TFF's weighted builders take only weighted factories, so a port that passes
+    `dp_aggregator()` to `build_weighted_fed_avg` would silently change. With
+    `client_weighting='uniform'` every weight is 1 and the two means agree, so it is
+    taken.
+
+    Args:
+      model_aggregator: the factory passed (None: the builder's default).
+      client_weighting: the builder's `client_weighting`.
+      builder: the builder's name, for the message.
+      fix: what to do instead; default: pass `client_weighting='uniform'`.
+
+    Raises:
+      TypeError: for an unweighted factory with weights other than uniform, naming it.
+    """
+    if client_weighting == "uniform" or not isinstance(
+            model_aggregator, aggregators.UnweightedAggregationFactory):
+        return
+    fix = fix or ("Pass client_weighting='uniform' to weigh every client equally with an "
+                  "unweighted aggregator")
+    raise TypeError(
+        f"Expected a weighted model_aggregator for {builder}() (a WeightedAggregationFactory, "
+        f"e.g. MeanFactory() or robust_aggregator()), found {type(model_aggregator).__name__}, "
+        "an unweighted one, which would average the clients' updates without their weights "
+        f"(client_weighting={client_weighting!r}). {fix} (such as dp_aggregator() or "
+        "MedianFactory()), or pass a weighted one.")
 
 
 def initial_weights_fn(model: model_lib.Model, seed: int = 0) -> computation.Computation:

@@ -20,6 +20,9 @@ ModelFn = Callable[[], model_lib.Model]
 
 # The default server optimizer: plain averaging of the client models.
 SERVER_SGD = optax.sgd(1.0)
+# What a weighted builder given an unweighted aggregator says to do instead.
+_USE_UNWEIGHTED = ("Use build_unweighted_fed_avg or client_weighting='uniform' for an "
+                   "unweighted aggregator")
 
 
 @common.tff_keywords
@@ -42,13 +45,19 @@ def build_weighted_fed_avg(
         averaging; `optax.adam(...)`: FedAdam).
       client_weighting: 'num_examples' (default) or 'uniform'.
       model_distributor: replaces the broadcast of the weights.
-      model_aggregator: an aggregation factory for the updates (default
-        `MeanFactory()`, weighted by `client_weighting`).
+      model_aggregator: a weighted aggregation factory for the updates (default
+        `MeanFactory()`, weighted by `client_weighting`); an unweighted one (e.g.
+        `dp_aggregator()`) only with `client_weighting='uniform'`, as TFF's weighted
+        builder takes only weighted ones (or use `build_unweighted_fed_avg`).
       seed: the seed of the model's initial weights.
 
     Returns:
       A `LearningProcess`; training metrics are under
       `metrics['client_work']['train']`.
+
+    Raises:
+      TypeError: for an unweighted `model_aggregator` with `client_weighting`
+        other than 'uniform'.
 
     Example:
       >>> process = build_weighted_fed_avg(model_fn, optax.sgd(0.1))  # doctest: +SKIP
@@ -57,6 +66,8 @@ def build_weighted_fed_avg(
     """
     model = common.make_model(model_fn)
     work = client_works.build_model_delta_client_work(model, client_optimizer, client_weighting)
+    common.check_weighted_aggregator(model_aggregator, client_weighting, "build_weighted_fed_avg",
+                                     _USE_UNWEIGHTED)
     return common.build_process(
         model, work, server_optimizer, model_distributor, model_aggregator,
         aggregators.MeanFactory(), seed,
@@ -113,11 +124,14 @@ def build_fed_prox(
 
     Raises:
       ValueError: when `proximal_strength` is negative.
+      TypeError: for an unweighted `model_aggregator` with `client_weighting` other
+        than 'uniform'.
     """
     model = common.make_model(model_fn)
     work = client_works.build_model_delta_client_work(
         model, client_optimizer, client_weighting, proximal_strength=proximal_strength
     )
+    common.check_weighted_aggregator(model_aggregator, client_weighting, "build_fed_prox")
     return common.build_process(
         model, work, server_optimizer, model_distributor, model_aggregator,
         aggregators.MeanFactory(), seed,
@@ -138,6 +152,10 @@ def _fed_opt(
         seed: int = 0,
         **server_kwargs: Any,
     ) -> templates.LearningProcess:
+        common.check_weighted_aggregator(
+            model_aggregator, client_weighting, build.__name__,
+            f"Use build_unweighted_fed_avg(model_fn, client_optimizer, optax.{server.__name__}(...)) "
+            "or client_weighting='uniform' for an unweighted aggregator")
         return build_weighted_fed_avg(
             model_fn, client_optimizer,
             optax.inject_hyperparams(server)(learning_rate=server_learning_rate, **server_kwargs),

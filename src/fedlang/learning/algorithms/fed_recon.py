@@ -79,6 +79,7 @@ def _make_model(model_fn: Any) -> ReconstructionModel:
             "model and its local weights), found "
             f"{type(model).__name__}; wrap it: ReconstructionModel(model, local_trainable=[...])."
         )
+    model_lib.check_32_bit(model.input_spec)  # a Model subclass sets input_spec itself
     return model
 
 

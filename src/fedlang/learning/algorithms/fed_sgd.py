@@ -38,9 +38,14 @@ def build_fed_sgd(
 
     Returns:
       A `LearningProcess`.
+
+    Raises:
+      TypeError: for an unweighted `model_aggregator` with `client_weighting` other
+        than 'uniform'.
     """
     model = common.make_model(model_fn)
     work = client_works.build_gradient_client_work(model, client_weighting)
+    common.check_weighted_aggregator(model_aggregator, client_weighting, "build_fed_sgd")
     return common.build_process(
         model, work, server_optimizer, model_distributor, model_aggregator,
         aggregators.MeanFactory(), seed,

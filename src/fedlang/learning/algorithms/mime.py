@@ -155,7 +155,8 @@ def build_mime_lite(
       A `LearningProcess`; the base optimizer's state is in `state.client_work`.
 
     Raises:
-      TypeError: when `base_optimizer` is not an Optax transformation.
+      TypeError: when `base_optimizer` is not an Optax transformation, or
+        `model_aggregator` is unweighted with `client_weighting` other than 'uniform'.
     """
     if not isinstance(base_optimizer, optax.GradientTransformation):
         raise TypeError(
@@ -171,6 +172,7 @@ def build_mime_lite(
         )
     weighting = client_works.check_client_weighting(client_weighting)
     work = _mime_client_work(model, base_optimizer, weighting, grad_agg)
+    common.check_weighted_aggregator(model_aggregator, weighting, "build_mime_lite")
     return common.build_process(
         model, work, server_optimizer, model_distributor, model_aggregator,
         aggregators.MeanFactory(), seed,

@@ -136,7 +136,8 @@ def check_input_spec(input_spec: Any) -> types.Type:
     fit it too.
 
     Raises:
-      TypeError: when the spec is neither form.
+      TypeError: when the spec is neither form, or has a 64-bit field while JAX runs
+        in 32 bits (`check_32_bit`).
     """
     t = types.to_type(input_spec)
     named = isinstance(t, types.StructType) and {"x", "y"} <= set(t.names)
@@ -147,7 +148,42 @@ def check_input_spec(input_spec: Any) -> types.Type:
             "pair (x, y), e.g. {'x': (np.float32, [None, 784]), 'y': (np.int32, [None])} or a "
             f"dataset's element_spec; found {t}."
         )
-    return _any_batch_size(t)
+    t = _any_batch_size(t)
+    check_32_bit(t)
+    return t
+
+
+def check_32_bit(input_spec: types.Type) -> None:
+    """Checks that no field of `input_spec` is 64-bit while JAX runs in 32 bits.
+
+    Tracing would fail later, in an inner computation's parameter; this names the
+    field. TFF ports hit it first: TFF's ids and labels are `tf.int64`.
+
+    Raises:
+      TypeError: naming the field (e.g. `input_spec['y']`), its type and the 32-bit
+        dtype to use.
+    """
+    if jax.config.jax_enable_x64:  # type: ignore[attr-defined]  # flags are dynamic attributes
+        return
+    for path, leaf in _leaves_with_paths(input_spec, "input_spec"):
+        dt = getattr(leaf, "dtype", None)
+        if dt is None or dt.itemsize != 8 or dt.kind not in "iufc":
+            continue
+        if dt.kind in "iu" and isinstance(leaf, types.SparseTensorType):
+            continue  # sparse indices are int64, as in TensorFlow
+        narrow = np.dtype(f"{dt.kind}{dt.itemsize // 2}").name
+        tff = (f" (TFF's tf.{dt.name} becomes {narrow} in fedlang; see 'Coming from "
+               "TensorFlow Federated' in fedlang's documentation)" if dt.kind in "iu" else "")
+        raise TypeError(
+            f"Expected 32-bit types in the model's input_spec (JAX runs in 32 bits), found "
+            f"{path} of type {leaf}. Use {narrow}{tff}, or enable jax_enable_x64.")
+
+
+def _leaves_with_paths(t: types.Type, path: str) -> list[tuple[str, types.Type]]:
+    if not isinstance(t, types.StructType):
+        return [(path, t)]
+    return [leaf for i, (name, e) in enumerate(t.elements)
+            for leaf in _leaves_with_paths(e, f"{path}[{name!r}]" if name else f"{path}[{i}]")]
 
 
 def _any_batch_size(t: types.Type) -> types.Type:

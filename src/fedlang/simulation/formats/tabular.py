@@ -11,6 +11,7 @@ Numeric columns become numpy arrays (float64 -> float32 and int64 -> int32 unles
 
 from __future__ import annotations
 
+import codecs
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -144,6 +145,83 @@ def _from_table(table: pa.Table, client_id_column: str, columns: Sequence[str] |
                                       num_examples={c: int(counts[i]) for i, c in enumerate(client_ids)})
 
 
+# The first bytes of files that are sometimes given where a CSV file belongs: what
+# the file is, and the fix where it is not "pass a CSV file".
+_CSV_FIX = "Pass a CSV file: text with a header row."
+_SIGNATURES = (
+    (b"PK\x03\x04", "a zip archive (an .npz?)", _CSV_FIX),
+    (b"\x93NUMPY", "a NumPy .npy array", _CSV_FIX),
+    (b"SQLite format 3\x00", "an SQLite database", _CSV_FIX),
+    (b"PAR1", "a Parquet file", _CSV_FIX),
+    (b"\x89HDF", "an HDF5 file", _CSV_FIX),
+    (b"\x1f\x8b", "gzip-compressed data", "Decompress it first."),
+    (b"\xff\xfe", "UTF-16 text", "Pass encoding='utf-16'."),
+    (b"\xfe\xff", "UTF-16 text", "Pass encoding='utf-16'."),
+)
+_SNIFF_BYTES = 8192
+# Control bytes that text has (tab, line feed, form feed, carriage return, ...).
+_TEXT_CONTROLS = frozenset(b"\t\n\x0b\x0c\r\x1b")
+
+
+def check_csv_file(path: str | os.PathLike, encoding: str = "utf-8", delimiter: str = ",") -> None:
+    """Checks that `path` is a file that looks like text, from its first 8 KiB.
+
+    A CSV parser reads any bytes as rows: given an `.npz` or an image, it reports a
+    column count with the file's bytes in its message. This says what the file is
+    instead.
+
+    Raises:
+      FileNotFoundError: if there is no file at `path`.
+      ValueError: if the file starts like another format (a zip archive, a NumPy
+        array, an SQLite database, ...) or holds binary data (a NUL byte, or more than
+        one control byte in 10 other than tab, line ends and `delimiter`), or
+        `encoding` is unknown; the message names the path.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Expected a CSV file at {path}, found none. Check the path.")
+    try:
+        codec = codecs.lookup(encoding).name
+    except LookupError as e:
+        raise ValueError(f"Expected an encoding Python knows, found encoding={encoding!r}.") from e
+    with open(path, "rb") as f:
+        head = f.read(_SNIFF_BYTES)
+    wide = codec.startswith(("utf-16", "utf-32"))  # their text has NUL bytes
+    for magic, what, fix in _SIGNATURES:
+        if head.startswith(magic) and not (wide and what == "UTF-16 text"):
+            raise ValueError(f"Expected a CSV file at {path}, found {what}. {fix}")
+    # A stray control character in a cell is a parse matter (its error escapes it);
+    # NUL bytes, or many control bytes, mean the file is not text.
+    allowed = _TEXT_CONTROLS | set(delimiter.encode(codec, "replace"))
+    controls = sum(1 for b in head if b < 0x20 and b not in allowed)
+    if not wide and (b"\x00" in head or controls * 10 > len(head)):
+        raise ValueError(f"Expected a CSV file at {path}, found binary data. {_CSV_FIX}")
+
+
+def column_names(path: str | os.PathLike, delimiter: str = ",", encoding: str = "utf-8") -> list[str]:
+    """The header of the CSV file at `path` (read as a stream: no column is converted).
+
+    Raises:
+      FileNotFoundError: if there is no file at `path`.
+      ValueError: if it is not a CSV file (see `check_csv_file`) or its header cannot
+        be parsed; the message names the path.
+    """
+    from pyarrow import csv
+
+    check_csv_file(path, encoding, delimiter)
+    try:
+        reader = csv.open_csv(path, read_options=csv.ReadOptions(encoding=encoding),
+                              parse_options=csv.ParseOptions(delimiter=delimiter))
+    except pa.ArrowInvalid as e:
+        raise _unparsable(path, e) from e
+    return list(reader.schema.names)
+
+
+def _unparsable(path: str | os.PathLike, e: Exception) -> ValueError:
+    # pyarrow quotes the offending row: escape its control characters for a terminal.
+    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(e))
+    return ValueError(f"Expected a CSV file with a header row at {path}, found unparsable data: {text}")
+
+
 def from_csv(path: str | os.PathLike, client_id_column: str, columns: Sequence[str] | None = None,
              dtypes: Mapping[str, Any] | None = None, delimiter: str = ",", missing: str = "error",
              encoding: str = "utf-8") -> client_data_lib.ClientData:
@@ -164,23 +242,22 @@ def from_csv(path: str | os.PathLike, client_id_column: str, columns: Sequence[s
 
     Raises:
       FileNotFoundError: if the file does not exist.
-      ValueError: if the file cannot be parsed, lacks a named column, repeats a
-        column name, has a blank cell, text that is not in `encoding`, or a value
-        that does not fit its dtype; the message names the line.
+      ValueError: if the file is not text (another format or binary data, told from
+        its first bytes by `check_csv_file`; the bytes are never quoted), cannot be
+        parsed (pyarrow's reason, control characters escaped), lacks a named column,
+        repeats a column name, has a blank cell, text that is not in `encoding`, or a
+        value that does not fit its dtype; the message names the line.
     """
     from pyarrow import csv
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"Expected a CSV file at {path}, found none. Check the path.")
     _check_missing(missing)
+    check_csv_file(path, encoding, delimiter)
     try:
         table = csv.read_csv(path, read_options=csv.ReadOptions(encoding=encoding),
                              parse_options=csv.ParseOptions(delimiter=delimiter),
                              convert_options=csv.ConvertOptions(column_types={client_id_column: pa.string()}))
     except pa.ArrowInvalid as e:
-        raise ValueError(f"Expected a CSV file with a header row at {path}, found unparsable data: {e}") from e
-    except LookupError as e:
-        raise ValueError(f"Expected an encoding Python knows, found encoding={encoding!r}.") from e
+        raise _unparsable(path, e) from e
 
     def where(i: int) -> str:
         return f"line {i + 2} of {path}"
