@@ -41,15 +41,53 @@ def test_config_errors_say_one_sentence_with_tables_and_types(tmp_path):
     one_sentence_error(table, 2, "in [training], found unknown key 'training.bogus'")
 
 
+def test_an_unknown_key_suggests_the_key_it_is_close_to(tmp_path):
+    # issue 37, item 12h: a typo gets a "did you mean", through the real command
+    (tmp_path / "typo.toml").write_text("[ouptut]\n")
+    (tmp_path / "nested.toml").write_text("[training]\nround = 5\n")
+    typo, nested = fedlang_all(["train", "typo.toml"], ["train", "nested.toml"], cwd=tmp_path)
+    one_sentence_error(typo, 2, "found unknown key 'ouptut'. Did you mean 'output'?")
+    one_sentence_error(nested, 2, "found unknown key 'training.round'. "
+                                  "Did you mean 'training.rounds'?")
+    try:
+        experiment.load_config(training={"zzz": 1})
+    except experiment.ConfigError as e:
+        assert "Did you mean" not in str(e) and "Check its spelling" in str(e)
+    else:
+        raise AssertionError("an unknown key was accepted")
+
+
+def test_errors_name_the_flag_that_gave_the_value(tmp_path):
+    # issue 37, item 12g: --metrics-population is said as such, output.population when
+    # the file set it
+    (tmp_path / "pop.toml").write_text('[output]\npopulation = "pop"\n')
+    (tmp_path / "empty.toml").write_text("")
+    by_file, by_flag = fedlang_all(["train", "pop.toml"],
+                                   ["train", "empty.toml", "--metrics-population", "pop"],
+                                   cwd=tmp_path)
+    one_sentence_error(by_file, 2, "Expected output.server and output.population together",
+                       "found only output.population.")
+    one_sentence_error(by_flag, 2, "Expected --metrics-server and --metrics-population together",
+                       "found only --metrics-population.")
+    assert experiment.named("output.population") == "output.population"
+    assert experiment.flagged({"output": {"population": "p", "server": None}}) == {
+        "output.population"}
+
+
 def test_data_errors_say_one_sentence_naming_config_keys(tmp_path):
     configs = [csv_config(tmp_path, "no_client", client_column=None),
                csv_config(tmp_path, "no_field", x='["temp", "wind"]'),
-               csv_config(tmp_path, "blanks", y='"blanky"')]
-    no_client, no_field, blanks = fedlang_all(*(["train", c] for c in configs), cwd=tmp_path)
+               csv_config(tmp_path, "blanks", y='"blanky"'),
+               csv_config(tmp_path, "npz", path='"data.npz"')]
+    np.savez(tmp_path / "data.npz", x=np.zeros((3, 2), np.float32))
+    no_client, no_field, blanks, npz = fedlang_all(*(["train", c] for c in configs), cwd=tmp_path)
     one_sentence_error(no_client, 2, "data.client_column", "'user', 'temp'", "in [data]")
     one_sentence_error(no_field, 2, "found no field ['wind']", "'humidity'")
     # The CSV reader refuses a blank label cell, naming the column and the line.
     one_sentence_error(blanks, 1, "column 'blanky'", "a blank at line", "sensors.csv")
+    # A file of another format is named, never printed (its bytes are NULs and the like).
+    one_sentence_error(npz, 1, "Expected a CSV file at data.npz, found a zip archive (an .npz?).")
+    assert "\x00" not in npz[2]
 
 
 def test_checkpoint_errors_name_the_cli_flags(tmp_path):

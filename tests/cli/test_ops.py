@@ -244,3 +244,25 @@ def test_follow_shows_a_progress_bar_in_a_terminal(operated):
     assert any("open: 0/2 reports" in line and "0/2" in line.split("reports")[-1] for line in screen), screen
     assert any(f"round {r['id']} closed: 2/2 reports" in line for line in screen), screen
     assert screen[-1].startswith(f"round {r['id']} closed with 2 reports in"), screen
+
+
+@pytest.mark.parametrize("width", [80, 50])
+def test_follow_never_cuts_the_elapsed_time(monkeypatch, width):
+    # issue 37, item 12b: at 80 columns the round's line took them all ("0:0…")
+    import io
+
+    from rich import progress
+    from rich.console import Console
+
+    from fedlang.cli import console, ops
+
+    screen = io.StringIO()
+    terminal = Console(file=screen, width=width, color_system=None)
+    monkeypatch.setattr(console, "out", terminal)
+    bar = progress.Progress(*ops.follow_columns(20), console=terminal)
+    bar.add_task("round 12 open, secure stage 3: 0/20 reports, 30 assigned, 0 dropped, 0 late, "
+                 "0 refused", total=20, completed=3)
+    terminal.print(bar.make_tasks_table(bar.tasks))
+    (line,) = screen.getvalue().splitlines()
+    assert len(line) <= width and line.startswith("round 12") and "…" in line
+    assert line.endswith(" 3/20  0:00:00"), line

@@ -97,6 +97,28 @@ def test_an_unknown_key_or_missing_config_points_to_the_installed_help(tmp_path)
         assert status in (1, 2) and "fedlang train --help" in err and "docs/" not in err, err
 
 
+def test_the_demo_header_is_one_line_in_a_file_or_a_pipe(monkeypatch):
+    # issue 37, item 12a: rich cut it at 80 columns ("...(Dirichlet\nalpha=0.5)...")
+    import io
+
+    from rich.console import Console
+
+    from fedlang.cli import console, training
+
+    piped, terminal = io.StringIO(), io.StringIO()
+    config = experiment.load_config()
+    monkeypatch.setattr(console, "out", Console(file=piped))  # not a terminal: 80 columns
+    training.demo_header(config)
+    monkeypatch.setattr(console, "out", Console(file=terminal, force_terminal=True, width=60,
+                                                color_system=None))
+    training.demo_header(config)
+    assert piped.getvalue() == ("fedlang demo: FedAvg, MLP 64-32-10, digits over 40 clients "
+                                "(Dirichlet alpha=0.5), 30 rounds of 10 clients.\n")
+    lines = terminal.getvalue().splitlines()  # a terminal wraps it at its width, by words
+    assert len(lines) > 1 and all(len(line) <= 60 for line in lines)
+    assert " ".join(line.strip() for line in lines) == piped.getvalue().strip()
+
+
 def test_demo_says_scikit_learn_is_missing_before_its_banner(tmp_path):
     # an install without scikit-learn (fedlang[deploy] only): the import fails
     (tmp_path / "uninstalled" / "sklearn").mkdir(parents=True)
@@ -216,8 +238,10 @@ def test_train_releases_each_rounds_metrics_to_a_server(tmp_path, monkeypatch):
         unknown = invoke("train", config, "--metrics-server", server.url, "--metrics-population",
                          "nobody", "--admin-token", server.admin_token, "--no-progress")
         assert unknown.exit_code == 2 and "its populations are ['pop']" in unknown.output
+        # the flag is named, not the config key it overrides (issue 37, item 12g)
+        assert "Expected --metrics-population to be a population" in unknown.output
         half = invoke("train", config, "--metrics-server", server.url, "--no-progress")
-        assert half.exit_code == 2 and "output.server and output.population" in half.output
+        assert half.exit_code == 2 and "--metrics-server and --metrics-population" in half.output
         assert not (tmp_path / "run" / "checkpoints").exists()
         ran = invoke("train", config, *flags, "--admin-token", server.admin_token, "--no-progress")
         assert ran.exit_code == 0, ran.output

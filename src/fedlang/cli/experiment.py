@@ -14,6 +14,7 @@ raised before any training starts where that is possible.
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib
 import itertools
 import json
@@ -29,6 +30,7 @@ import numpy as np
 from fedlang import simulation as sim
 from fedlang.core import types
 from fedlang.simulation import checkpoint, inspection, metrics
+from fedlang.simulation.formats import tabular
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "data": {
@@ -66,6 +68,22 @@ NEEDS = {"digits": ("sklearn.datasets", "scikit-learn", "examples")}
 DIVERGED = 10.0
 
 
+def flagged(overrides: Mapping[str, Mapping[str, Any]]) -> frozenset[str]:
+    """The config keys (`table.key`) that `overrides` (from `fedlang train`'s flags) set."""
+    return frozenset(f"{table}.{key}" for table, values in overrides.items()
+                     for key, value in values.items() if value is not None)
+
+
+def named(key: str, flags: frozenset[str] = frozenset()) -> str:
+    """`key` as the user gave it: its flag when a flag set it (in `flags`), else the key.
+
+    Example:
+      >>> named("output.population", frozenset({"output.population"}))
+      '--metrics-population'
+    """
+    return FLAGS[key] if key in flags and key in FLAGS else key
+
+
 class ConfigError(ValueError):
     """An invalid experiment config or data (unknown key, wrong type, bad value), said
     for the config file and the `fedlang train` flags."""
@@ -99,9 +117,12 @@ def _merge(defaults: Mapping[str, Any], given: Mapping[str, Any], where: str) ->
     for key, value in given.items():
         name = f"{where}.{key}" if where else key
         if key not in defaults:
+            close = difflib.get_close_matches(str(key), [str(k) for k in defaults], n=1)
+            meant = f"{where}.{close[0]}" if where and close else "".join(close)
+            hint = f"Did you mean {meant!r}?" if close else "Check its spelling"
             raise ConfigError(f"Expected keys among {sorted(defaults)} in [{where or 'top level'}], "
-                              f"found unknown key {name!r}. Check its spelling (`fedlang train "
-                              "--help` lists every table and key).")
+                              f"found unknown key {name!r}. {hint} (`fedlang train --help` lists "
+                              "every table and key).")
         default = defaults[key]
         if isinstance(default, Mapping):
             if not isinstance(value, Mapping):
@@ -146,12 +167,12 @@ def load_config(path: str | pathlib.Path | None = None, **overrides: Any) -> dic
     config = _merge(DEFAULTS, given, "")
     for table, values in overrides.items():
         config[table] = _merge(config[table], {k: v for k, v in values.items() if v is not None}, table)
-    _check(config)
+    _check(config, flagged(overrides))
     check_installed(config)
     return config
 
 
-def _check(c: dict[str, Any]) -> None:
+def _check(c: dict[str, Any], flags: frozenset[str] = frozenset()) -> None:
     d, t = c["data"], c["training"]
     for ok, msg in (
         (d["dataset"] in DATASETS, f"data.dataset in {list(DATASETS)}, found {d['dataset']!r}"),
@@ -166,9 +187,13 @@ def _check(c: dict[str, Any]) -> None:
             raise ConfigError(f"Expected {msg}.")
     o = c["output"]
     if bool(o["server"]) != bool(o["population"]):
+        given = "output.server" if o["server"] else "output.population"
+        # said the way the user gave the one found: both flags, or both keys
+        both = flags | {"output.server", "output.population"} if given in flags else frozenset()
         raise ConfigError(
-            "Expected output.server and output.population together (--metrics-server URL "
-            f"--metrics-population NAME), found only {'server' if o['server'] else 'population'}.")
+            f"Expected {named('output.server', both)} and {named('output.population', both)} "
+            f"together (--metrics-server URL --metrics-population NAME, or server and population "
+            f"in [output]), found only {named(given, both)}.")
     for key in ("client_optimizer", "server_optimizer"):
         opt = c["algorithm"][key]
         if opt.get("name") not in OPTIMIZERS:
@@ -221,11 +246,9 @@ def _source(d: Mapping[str, Any]) -> sim.ClientData:
     fmt = d["format"] if d["format"] != "auto" else fmt
     kind = inspection.detect_format(path) if fmt == "auto" else fmt
     if kind == "csv" and not d["client_column"]:
-        import pyarrow.csv as pacsv
-
         raise ConfigError(
             f"Expected data.client_column to name the client-id column of {path}, found none; "
-            f"its columns are {pacsv.read_csv(path).column_names}. Set client_column in [data].")
+            f"its columns are {tabular.column_names(path)}. Set client_column in [data].")
     if kind == "sqlite" and not d["split"]:
         from fedlang.simulation.formats import sqlite
 
@@ -236,9 +259,7 @@ def _source(d: Mapping[str, Any]) -> sim.ClientData:
     if kind == "csv":
         # Read only the fields the run uses (a blank cell elsewhere does not matter), after
         # checking that they exist.
-        import pyarrow.csv as pacsv
-
-        header = pacsv.open_csv(path).schema.names
+        header = tabular.column_names(path)
         columns = [*([d["x"]] if isinstance(d["x"], str) else list(d["x"])), d["y"]]
         missing = [c for c in columns if c not in header]
         if missing:
@@ -489,10 +510,12 @@ def divergence(result: Any, config: Mapping[str, Any]) -> str | None:
     return None
 
 
-def metrics_writers(config: Mapping[str, Any], admin_token: str | None = None) -> list[Any]:
+def metrics_writers(config: Mapping[str, Any], admin_token: str | None = None,
+                    flags: frozenset[str] = frozenset()) -> list[Any]:
     """The run's metrics writers: CSV, JSON lines, TensorBoard and a plot in output.dir,
     and, with output.server, one that releases each round's metrics to that server's
-    output.population (`fedlang.deploy.driver.metrics.ServerMetricsWriter`).
+    output.population (`fedlang.deploy.driver.metrics.ServerMetricsWriter`). Errors
+    name the flags among `flags` (`flagged`) as flags.
 
     Raises:
       ConfigError: output.server without an admin token, or a population the server
@@ -520,13 +543,13 @@ def metrics_writers(config: Mapping[str, Any], admin_token: str | None = None) -
     if o["population"] not in names:
         writer.close()
         raise ConfigError(
-            f"Expected output.population to be a population of {o['server']}, found "
-            f"{o['population']!r}; its populations are {names}.")
+            f"Expected {named('output.population', flags)} to be a population of "
+            f"{o['server']}, found {o['population']!r}; its populations are {names}.")
     return [*writers, writer]
 
 
 def run(config: Mapping[str, Any], *, progress: bool | None = None, fresh: bool = False,
-        admin_token: str | None = None) -> Any:
+        admin_token: str | None = None, flags: frozenset[str] = frozenset()) -> Any:
     """Runs the experiment of `config`, writing metrics, plot and checkpoints.
 
     Args:
@@ -536,6 +559,8 @@ def run(config: Mapping[str, Any], *, progress: bool | None = None, fresh: bool 
         they are of this config's run stopped short of its rounds (a demo interrupted
         with Ctrl-C): that run resumes.
       admin_token: the admin token of output.server, where metrics are released.
+      flags: the keys set by `fedlang train`'s flags (`flagged`), which errors name as
+        flags.
 
     Returns:
       The `TrainingResult`.
@@ -547,7 +572,7 @@ def run(config: Mapping[str, Any], *, progress: bool | None = None, fresh: bool 
     ckpt_dir = out / "checkpoints"
     if not fresh:
         _check_checkpoints(ckpt_dir, t["rounds"], config["output"]["resume"])
-    writers = metrics_writers(config, admin_token)  # first: a wrong server fails at once
+    writers = metrics_writers(config, admin_token, flags)  # first: a wrong server fails at once
     train, test = load_data(config)
     process, eval_process = build_processes(config, build_model_fn(config, train.structure))
     if fresh and not unfinished(ckpt_dir, config):

@@ -165,11 +165,32 @@ def follow(
                       f"{_seconds(r['closed'] - r['created'])} s", highlight=False)
 
 
+def follow_columns(target: int) -> tuple[Any, ...]:
+    """The columns of `fedlang follow`'s bar: the round's line, cut (…) to what the
+    others leave of the terminal's width, a bar, reports/target and the elapsed time,
+    which is never cut (rich gave the line every column it wanted)."""
+    from rich import progress
+    from rich.table import Column
+
+    bar_width, elapsed_width = 10, 8  # H:MM:SS, and 10 hours or more
+    counts = 2 * len(str(target)) + 1  # "12/20"
+    others = bar_width + counts + elapsed_width + 3  # and a space between columns
+
+    class Line(progress.TextColumn):
+        def get_table_column(self) -> Column:  # asked at each refresh: follows a resize
+            return Column(no_wrap=True, overflow="ellipsis",
+                          max_width=max(8, console.out.width - others))
+
+    return (Line("{task.description}"), progress.BarColumn(bar_width=bar_width),
+            progress.MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=counts)),
+            progress.TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=elapsed_width,
+                                                           justify="right")))
+
+
 def _follow_bar(admin: Any, r: dict[str, Any]) -> dict[str, Any]:
     from rich import progress
 
-    columns = (progress.TextColumn("{task.description}"), progress.BarColumn(),
-               progress.MofNCompleteColumn(), progress.TimeElapsedColumn())
+    columns = follow_columns(r["target"])
     with progress.Progress(*columns, console=console.out, transient=False) as bar:
         task = bar.add_task(_line(r), total=r["target"], completed=r["reports"])
         while r["state"] == "open":

@@ -38,6 +38,16 @@ def results_table(history: list[dict[str, Any]]) -> Table:
     return table
 
 
+def demo_header(config: dict[str, Any]) -> None:
+    """Says what `fedlang demo` runs, on one line: a terminal wraps it at its width, and
+    a file or a pipe gets it whole (rich would cut it at 80 columns, mid-phrase)."""
+    d, t = config["data"], config["training"]
+    console.out.print(
+        f"[bold]fedlang demo[/]: FedAvg, MLP 64-32-10, digits over {d['num_clients']} clients "
+        f"(Dirichlet alpha={d['alpha']}), {t['rounds']} rounds of {t['cohort_size']} clients.",
+        highlight=False, soft_wrap=not console.out.is_terminal)
+
+
 def _report(config: dict[str, Any], result: Any, elapsed: float) -> None:
     from fedlang.cli import experiment
 
@@ -48,7 +58,8 @@ def _report(config: dict[str, Any], result: Any, elapsed: float) -> None:
         console.out.print(results_table(result.history))
     else:
         console.out.print(f"Nothing to do: the run in {escape(str(out))} already has "
-                          f"{result.round_num} rounds.", highlight=False)
+                          f"{result.round_num} rounds.", highlight=False,
+                          soft_wrap=not console.out.is_terminal)
     console.out.print(
         escape(f"{len(result.history)} rounds in {elapsed:.1f}s. Metrics: {out / 'metrics.csv'}, "
                f"{out / 'metrics.jsonl'}; plot: {out / 'metrics.png'}; checkpoints: "
@@ -121,13 +132,10 @@ def _run_and_report(path: pathlib.Path | None, overrides: dict[str, dict[str, An
             config = experiment.load_config(path, **overrides)
             out = pathlib.Path(config["output"]["dir"])
             if demo:
-                console.out.print(
-                    f"[bold]fedlang demo[/]: FedAvg, MLP 64-32-10, digits over "
-                    f"{config['data']['num_clients']} clients (Dirichlet "
-                    f"alpha={config['data']['alpha']}), {config['training']['rounds']} rounds of "
-                    f"{config['training']['cohort_size']} clients.", highlight=False)
+                demo_header(config)
             t0 = time.perf_counter()
-            result = experiment.run(config, progress=progress, fresh=demo, admin_token=admin_token)
+            result = experiment.run(config, progress=progress, fresh=demo, admin_token=admin_token,
+                                    flags=experiment.flagged(overrides))
             elapsed = time.perf_counter() - t0
         except KeyboardInterrupt as e:  # Ctrl-C: TrainingInterrupted, or twice in set-up
             stopped = e if isinstance(e, sim.TrainingInterrupted) else _cause(

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import datetime
 import functools
 import pathlib
 import sys
@@ -195,13 +196,32 @@ def _data_fn(train_data: Any, preprocess: Callable[..., Any] | None, seed: int
     )
 
 
-class _Progress:
-    """A rich progress bar (rounds, round time, ETA, latest metrics, and what a slow step
-    is doing, e.g. the runtime measuring: `fedlang.core.status`), or nothing."""
+def _pace(marks: Sequence[tuple[int, float]], total: int) -> tuple[float, float]:
+    """`(seconds per round, seconds left)` from `marks`, `(round done, time)` from the
+    run's start on: both from one measurement, the wall time of
+    whole rounds (training, evaluation, checkpoints, writers), leaving out the run's
+    first round (compilation) once there is a later one.
 
-    def __init__(self, enabled: bool | None, total: int, start: int):
+    Example:
+      >>> _pace([(0, 0.0), (1, 20.0), (2, 21.0), (3, 22.0)], total=10)
+      (1.0, 7.0)
+    """
+    first, last = (marks[1] if len(marks) > 2 else marks[0]), marks[-1]
+    rate = (last[1] - first[1]) / max(last[0] - first[0], 1)
+    return rate, rate * max(total - last[0], 0)
+
+
+class _Progress:
+    """A rich progress bar (rounds, time per round and ETA from one measurement: `_pace`,
+    latest metrics, and what a slow step is doing, e.g. the runtime measuring:
+    `fedlang.core.status`), or nothing."""
+
+    def __init__(self, enabled: bool | None, total: int, start: int,
+                 clock: Callable[[], float] | None = None):
         self._bar: Any = None
         self._showing = contextlib.ExitStack()
+        self._clock, self._total = clock or time.perf_counter, total
+        self._marks = [(start, self._clock())]
         if enabled is False:
             return
         from rich import console as rich_console
@@ -215,8 +235,7 @@ class _Progress:
             rp.BarColumn(bar_width=24),
             rp.TextColumn("{task.fields[round_time]}"),
             rp.TimeElapsedColumn(),
-            rp.TextColumn("ETA"),
-            rp.TimeRemainingColumn(),
+            rp.TextColumn("ETA {task.fields[eta]}"),
             rp.TextColumn("{task.fields[summary]}"),
             rp.TextColumn("[dim]{task.fields[status]}"),
             console=console,
@@ -224,20 +243,23 @@ class _Progress:
         )
         self._bar.start()
         self._task = self._bar.add_task("rounds", total=total, completed=start,
-                                        round_time="", summary="", status="")
+                                        round_time="", eta="-:--:--", summary="", status="")
         self._latest: dict[str, float] = {}
         self._showing.enter_context(status_lib.showing(self._status))
 
     def _status(self, message: str) -> None:
         self._bar.update(self._task, status=message)
 
-    def update(self, round_num: int, seconds: float, flat: Mapping[str, Any]) -> None:
+    def update(self, round_num: int, flat: Mapping[str, Any]) -> None:
         if self._bar is None:
             return
+        self._marks.append((round_num, self._clock()))
+        rate, left = _pace(self._marks, self._total)
         self._latest.update(_short_metrics(flat))  # evaluation metrics persist between evaluations
         summary = "  ".join(f"{k} {v:.3g}" for k, v in self._latest.items())
-        self._bar.update(self._task, completed=round_num, round_time=f"{seconds:.2f}s/round",
-                         summary=summary, status="")
+        self._bar.update(self._task, completed=round_num, round_time=f"{rate:.2f}s/round",
+                         eta=str(datetime.timedelta(seconds=round(left))), summary=summary,
+                         status="")
 
     def close(self) -> None:
         self._showing.close()
@@ -429,7 +451,7 @@ def _run(process: Any, make_data: Callable[[int, list[str]], Any], sampler: Any,
             done = round_num
             if checkpoint_dir is not None and (round_num % checkpoint_every == 0 or round_num == rounds):
                 last_ckpt, saved = save(), done
-            bar.update(round_num, record["round_time_s"], metrics_lib.flatten_metrics(record))
+            bar.update(round_num, metrics_lib.flatten_metrics(record))
     except KeyboardInterrupt as e:  # a second Ctrl-C: at once, mid-round
         if isinstance(e, TrainingInterrupted):
             raise

@@ -230,7 +230,7 @@ class BufferedDriver:
         self.applied_through = self.folded_through
         self.steps.append(Step(self.version, self.folded_through, metrics,
                                time.perf_counter() - start))
-        if self.release and (form := metrics_lib.release_form(metrics)):
+        if self.release and (form := metrics_lib.release_form(metrics_lib.round_record(metrics))):
             self.admin.release_metrics(self.population, self.version, form)
 
     def run(

@@ -7,7 +7,15 @@
 (`fedlang train --metrics-server URL`); `BufferedDriver` releases each server step's by
 itself.
 
-A process's metrics are a nested mapping of numbers and arrays: `release_form` makes them
+Both ways release a round under the same kinds, those the dashboard draws a line each:
+the experiment driver's record of a round is `{'train': what
+process.next returned, 'eval': the evaluation, 'round_time_s': ...}`, and a round loop's
+`ServerRounds.release_metrics(round, metrics, evaluation)` (and `BufferedDriver`, each
+server step) releases `round_record(metrics, evaluation)`, the same shape. So a learning
+process's parts are names under `train` (`client_work/train/loss`,
+`traffic/broadcast_bits`), never kinds of their own.
+
+A round's metrics are a nested mapping of numbers and arrays: `release_form` makes them
 `{kind: {name: number}}` for the server. A top-level mapping is a kind (`train`, `eval`,
 ...); deeper mappings become `a/b` names; a top-level number goes under the kind `round`
 (e.g. `round_time_s`). Only finite scalars are released (an array of more than one
@@ -26,6 +34,22 @@ import numpy as np
 from fedlang.deploy.driver import admin as admin_lib
 
 TOP_LEVEL = "round"  # the kind of a top-level number
+TRAIN, EVAL = "train", "eval"  # the kinds of a process's metrics and of an evaluation's
+
+
+def round_record(metrics: Any, evaluation: Any = None) -> dict[str, Any]:
+    """A round's metrics as the experiment driver records them
+    (`fedlang.simulation.run_training`): `metrics` (what `process.next` returned) under
+    `train`, and `evaluation`, when given, under `eval`.
+
+    Example:
+      >>> release_form(round_record({"client_work": {"train": {"loss": 0.5}}}, {"loss": 0.7}))
+      {'train': {'client_work/train/loss': 0.5}, 'eval': {'loss': 0.7}}
+    """
+    record = {TRAIN: metrics}
+    if evaluation is not None:
+        record[EVAL] = evaluation
+    return record
 
 
 def release_form(metrics: Any) -> dict[str, dict[str, float]]:

@@ -100,11 +100,19 @@ class ServerRounds:
         aggregate = self.admin.aggregate(r["id"])
         return context.RoundResult(aggregate, r["reports"], time.perf_counter() - start, r)
 
-    def release_metrics(self, round_num: int, metrics: Any) -> int:
-        """Releases round `round_num`'s metrics (e.g. what `process.next` returned) to
-        the population, where the server's dashboard plots them
-        (`driver.metrics.release_form`); returns how many were stored."""
-        form = metrics_lib.release_form(metrics)
+    def release_metrics(self, round_num: int, metrics: Any, evaluation: Any = None) -> int:
+        """Releases round `round_num`'s metrics to the population, where the server's
+        dashboard plots them; returns how many were stored.
+
+        Args:
+          round_num: the round.
+          metrics: what `process.next` returned, released under the kind `train`.
+          evaluation: evaluation metrics, released under the kind `eval`.
+
+        The kinds and names are those `fedlang train --metrics-server` releases
+        (`driver.metrics.round_record`, `release_form`).
+        """
+        form = metrics_lib.release_form(metrics_lib.round_record(metrics, evaluation))
         return self.admin.release_metrics(self.population, round_num, form) if form else 0
 
     def finish(self) -> None:

@@ -14,9 +14,10 @@ first, in this order:
 
 So no request without a credential costs the server more than its headers and
 `JSON_LIMIT` bytes, and the answer to a tokenless admin request is 401 whatever its body
-(counted as `refused:admin_unauthorized`). Every other admin request that may change
-something (not GET) is recorded in the audit table with its answer's status
-(`Store.audit`, read at `GET /v1/admin/audit`), and logged.
+(counted apart from the refused reports, as `admin_refused:unauthorized`: `admin_refused`
+in `GET /v1/status`, `fedlang_admin_requests_refused_total` in `/metrics`). Every other
+admin request that may change something (not GET) is recorded in the audit table with
+its answer's status (`Store.audit`, read at `GET /v1/admin/audit`), and logged.
 
 A body that stalls (nothing of it arrives for `body_timeout` seconds, e.g. an upload
 sent half and held) is answered 408 and its connection closed, for every route: the
@@ -39,6 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from fedlang.deploy import protocol
 from fedlang.deploy.server import auth
 from fedlang.deploy.server import state as state_lib
+from fedlang.deploy.store import metrics as metrics_lib
 
 # The largest body of a JSON route: every one holds a few names, hashes and numbers.
 JSON_LIMIT = 64 << 10
@@ -79,7 +81,7 @@ class Guard:
                     auth.admin_header(self.server, headers.get("authorization"))
                 except protocol.Unauthorized:
                     await concurrency.run_in_threadpool(
-                        self.server.store.count_refusal, "admin_unauthorized")
+                        metrics_lib.count_admin_refusal, self.server.store, "unauthorized")
                     raise
             if not self._reads_own_body(scope):
                 receive = await _bounded(scope, receive)

@@ -191,7 +191,9 @@ class ReportOut(pydantic.BaseModel):
 
 class ReportCounts(pydantic.BaseModel):
     accepted: int
-    refused: dict[str, int] = pydantic.Field(description="Refused uploads and requests by reason.")
+    refused: dict[str, int] = pydantic.Field(
+        description="Refused uploads and client requests by reason (admin requests: "
+        "`admin_refused`).")
     late: int
 
 
@@ -226,6 +228,9 @@ class StatusOut(pydantic.BaseModel):
     dropouts: int
     rounds_closed: int
     rounds_failed: int
+    admin_refused: dict[str, int] = pydantic.Field(
+        default_factory=dict, description="Requests for admin routes refused, by reason "
+        "(`unauthorized`: without the admin token); not counted in `reports`.")
     sessions: list[SessionStatus] = pydantic.Field(
         default_factory=list, description="The latest buffered (FedBuff) sessions, newest first."
     )

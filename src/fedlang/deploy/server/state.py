@@ -12,6 +12,7 @@ from fedlang.deploy.plans import round as plan_lib
 from fedlang.deploy.server import ratelimit
 from fedlang.deploy.server import telemetry as telemetry_lib
 from fedlang.deploy.store import edges as edges_lib
+from fedlang.deploy.store import metrics as metrics_lib
 from fedlang.deploy.store import rounds as rounds_lib
 from fedlang.deploy.store import secure as secure_lib
 from fedlang.deploy.store import sessions as sessions_lib
@@ -97,7 +98,7 @@ class ServerState:
 
 def totals(counters: dict[str, int]) -> dict[str, Any]:
     """The store's counters as `GET /v1/status` (and the overview) show them."""
-    refused = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("refused:")}
+    refused, admin_refused = metrics_lib.refusal_counts(counters)
     return {
         "enrollments": counters.get("enrollments", 0),
         "checkins": counters.get("checkins", 0),
@@ -110,4 +111,5 @@ def totals(counters: dict[str, int]) -> dict[str, Any]:
         "dropouts": counters.get("dropouts", 0),
         "rounds_closed": counters.get("rounds:closed", 0),
         "rounds_failed": counters.get("rounds:failed", 0),
+        "admin_refused": admin_refused,
     }

@@ -6,9 +6,10 @@ and report rates of the overview, and one log line per request with a request id
 process (tests) keep their numbers apart. Two kinds of metrics are in it:
 
 * the task store's counters, read from the database at each scrape (`StoreCollector`):
-  check-ins, assignments, enrollments, reports accepted and refused by reason, dropouts,
-  rounds ended, and a histogram of the ended rounds' durations. They are the numbers
-  `GET /v1/status` shows, the same for every server process sharing a database;
+  check-ins, assignments, enrollments, reports accepted and refused by reason, admin
+  requests refused by reason, dropouts, rounds ended, and a histogram of the ended
+  rounds' durations. They are the numbers `GET /v1/status` shows, the same for every
+  server process sharing a database;
 * this process's own: the latency of its database transactions (`Store.on_transaction`)
   and the sizes of the request bodies it read (`Observe`).
 
@@ -81,14 +82,23 @@ class StoreCollector(prometheus_registry.Collector):
         counters = self.store.counters()
         for key, name, doc in _COUNTERS:
             yield prometheus_core.CounterMetricFamily(name, doc, value=counters.get(key, 0))
+        reports, admin = metrics_lib.refusal_counts(counters)
         refused = prometheus_core.CounterMetricFamily(
-            "fedlang_reports_refused", "Requests refused, by reason (late, stale, ...).",
+            "fedlang_reports_refused",
+            "Reports and client requests refused, by reason (late, stale, unauthorized, ...).",
             labels=["reason"],
         )
-        for key, value in sorted(counters.items()):
-            if key.startswith("refused:"):
-                refused.add_metric([key.split(":", 1)[1]], value)
+        for reason, value in reports.items():
+            refused.add_metric([reason], value)
         yield refused
+        admin_refused = prometheus_core.CounterMetricFamily(
+            "fedlang_admin_requests_refused",
+            "Requests for admin routes refused, by reason (unauthorized: without the admin token).",
+            labels=["reason"],
+        )
+        for reason, value in admin.items():
+            admin_refused.add_metric([reason], value)
+        yield admin_refused
         ended = prometheus_core.CounterMetricFamily(
             "fedlang_rounds_ended", "Rounds ended, by state (closed, failed).", labels=["state"]
         )

@@ -10,7 +10,10 @@ metrics again replaces them. A buffered session releases per model version (its
 
 Refusals are counted globally (`counters`, `refused:REASON`); `task_refusals` also
 counts them per task (`round:ID`, `session:ID`) and reason (`Store.count_refusal`), for
-the overview's rounds.
+the overview's rounds. Refused admin requests (a request for an admin route without
+the admin token) are no report and no client's: they are counted apart
+(`admin_refused:REASON`, `count_admin_refusal`), and `refusal_counts` splits the counters
+into the two.
 """
 
 from __future__ import annotations
@@ -143,6 +146,43 @@ def refusals(store: store_lib.Store, tasks: Iterable[str]) -> dict[str, dict[str
     for task, reason, count in rows:
         out[task][reason] = int(count)
     return out
+
+
+REFUSED = "refused:"  # a refused upload or client request, by reason
+ADMIN_REFUSED = "admin_refused:"  # a refused admin request, by reason
+# What an older server counted as `refused:admin_unauthorized`.
+_LEGACY_ADMIN = {"admin_unauthorized": "unauthorized"}
+
+
+def count_admin_refusal(store: store_lib.Store, reason: str) -> None:
+    """Counts a refused admin request (`admin_refused:REASON`, e.g. `unauthorized`)."""
+    with store.transaction(write=True) as tx:
+        tx.count(f"{ADMIN_REFUSED}{reason}")
+
+
+def refusal_counts(counters: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """`(reports and client requests refused, admin requests refused)`, each by reason,
+    from the store's `counters` (a count kept by an older server as
+    `refused:admin_unauthorized` is an admin request's, `unauthorized`).
+
+    Example:
+      >>> refusal_counts({"refused:late": 1, "admin_refused:unauthorized": 2, "checkins": 5})
+      ({'late': 1}, {'unauthorized': 2})
+    """
+    refused: dict[str, int] = {}
+    admin: dict[str, int] = {}
+    for key, value in sorted(counters.items()):
+        if key.startswith(ADMIN_REFUSED):
+            reason = key.removeprefix(ADMIN_REFUSED)
+            admin[reason] = admin.get(reason, 0) + int(value)
+        elif key.startswith(REFUSED):
+            reason = key.removeprefix(REFUSED)
+            if reason in _LEGACY_ADMIN:
+                reason = _LEGACY_ADMIN[reason]
+                admin[reason] = admin.get(reason, 0) + int(value)
+            else:
+                refused[reason] = int(value)
+    return refused, admin
 
 
 def seen_since(store: store_lib.Store, since: float) -> dict[str, int]:

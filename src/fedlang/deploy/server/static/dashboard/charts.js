@@ -16,6 +16,20 @@ export async function load() {
   return uPlot !== null;
 }
 
+// A y axis as wide as its longest tick value (uPlot's default is a fixed 50 px, which
+// values such as 0.00012 or 12,000 overran into the axis title).
+function fitTicks(self, values, axisIdx, cycleNum) {
+  const axis = self.axes[axisIdx];
+  if (cycleNum > 1) return axis._size;  // uPlot asks again as the ticks settle: stop
+  let size = axis.ticks.size + axis.gap;
+  const longest = (values ?? []).reduce((a, v) => (String(v).length > a.length ? String(v) : a), '');
+  if (longest !== '') {
+    self.ctx.font = axis.font[0];
+    size += self.ctx.measureText(longest).width / devicePixelRatio;
+  }
+  return Math.ceil(Math.max(size, 30));
+}
+
 export function join(tables) {
   // [[xs, ys], ...] (each sorted by x) -> [xs, ys1, ys2, ...] on the union of the xs,
   // null where a table has no value
@@ -30,8 +44,8 @@ export function join(tables) {
 // A line chart whose series may change: `update(names, data)` redraws it, remaking the
 // plot when the series' names differ from the last ones.
 export class Chart {
-  // `xRange`: () => [min, max] of the x axis (default: the data's); `time`: x in epoch
-  // seconds; otherwise x counts rounds, ticked at whole numbers.
+  // `xRange`: (data's min, data's max) => [min, max] of the x axis (default: the data's);
+  // `time`: x in epoch seconds; otherwise x counts rounds, ticked at whole numbers.
   constructor(container, {xLabel, yLabel = '', time = false, xRange = null, width = 460, height = 220}) {
     this.container = container;
     this.options = {xLabel, yLabel, time, xRange, width, height};
@@ -53,8 +67,8 @@ export class Chart {
     this.plot = new uPlot({
       width, height,
       legend: {live: false},
-      scales: {x: xRange === null ? {time} : {time, range: () => xRange()}},
-      axes: [time ? {label: xLabel} : {label: xLabel, incrs: WHOLE}, {label: yLabel}],
+      scales: {x: xRange === null ? {time} : {time, range: (u, min, max) => xRange(min, max)}},
+      axes: [time ? {label: xLabel, space: 80} : {label: xLabel, incrs: WHOLE}, {label: yLabel, size: fitTicks}],
       series: [
         {label: xLabel},
         ...names.map((name, i) => ({

@@ -8,6 +8,7 @@ import * as charts from './charts.js';
 const TOKEN = 'fedlang.dashboard.token';
 const INTERVAL = 'fedlang.dashboard.interval';
 const $ = (id) => document.getElementById(id);
+const RATES_SPAN = 5 * 60;  // the least time the rates chart spans (seconds)
 
 // What the page shows, for tests and for the curious (window.fedlangDashboard).
 const dashboard = {overview: null, metrics: new Map(), charts: new Map(), refreshes: 0, chartsLoaded: false};
@@ -143,7 +144,12 @@ function showRates(rates) {
   const box = $('rates-chart');
   const c = chart('rates', box, {
     xLabel: 'time', yLabel: 'per minute', time: true,
-    xRange: () => [dashboard.overview.now - 3600, dashboard.overview.now + 60],  // the last hour
+    // from the first point (the server keeps the last hour), at least RATES_SPAN seconds:
+    // a fresh server's few points are not dots at the right edge of an empty hour
+    xRange: (first) => {
+      const now = dashboard.overview.now;
+      return [Math.min(first ?? now, now - RATES_SPAN), now + 60];
+    },
     width: Math.max(480, Math.min(1100, box.clientWidth || 900)),
   });
   c.update(series.map(([name]) => name), data);
@@ -206,7 +212,10 @@ function showMetrics(population, rows) {
       return [rounds, rounds.map((r) => kinds.get(kind).get(r))];
     }));
     const fig = figure(population, name);
-    chart(`${population}/${name}`, fig.querySelector('.chart'), {xLabel: 'round', yLabel: name}).update(order, data);
+    // the axis says the last part of the name (`loss` of `client_work/train/loss`): a
+    // whole name ran past the chart's height; the caption says it whole
+    chart(`${population}/${name}`, fig.querySelector('.chart'),
+          {xLabel: 'round', yLabel: name.split('/').pop()}).update(order, data);
     const caption = fig.querySelector('figcaption');
     const parts = [];
     const title = document.createElement('b');
