@@ -4,6 +4,7 @@ through the real command: how they start, refuse and stop."""
 import concurrent.futures
 import json
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from fedlang import deploy
+from fedlang.cli import deploy as deploy_cli
 
 from ._run import ENV, fedlang, fedlang_all, one_sentence_error, start_fedlang
 
@@ -56,7 +58,7 @@ def test_serve_stops_on_sigint_and_sigterm_saying_what_it_kept(tmp_path):
     dirs = [tmp_path / s.name for s in signals]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = list(pool.map(
-            lambda s, d: _stopped_by(s, d, ["serve", "--db", d / "fl" / "store.db", "--port", "0",
+            lambda s, d: _stopped_by(s, d, ["serve", "--db", d / "store.db", "--port", "0",
                                             "--population", "pop"], "population pop token"),
             signals, dirs))
     for signum, d, (status, _, err) in zip(signals, dirs, results, strict=True):
@@ -64,11 +66,11 @@ def test_serve_stops_on_sigint_and_sigterm_saying_what_it_kept(tmp_path):
         text = " ".join(err.split())
         label = "Interrupted" if signum == signal.SIGINT else "Terminated"
         assert text == (f"{label}: the server stopped; every report it acknowledged is kept in the "
-                        f"SQLite database {d / 'fl' / 'store.db'} (the same command serves it "
+                        f"SQLite database {d / 'store.db'} (the same command serves it "
                         "again); clients retry until it is back, for their --patience."), text
     # the same command serves the database again: the lock went with the process
     again = _stopped_by(signal.SIGINT, tmp_path / "again",
-                        ["serve", "--db", dirs[0] / "fl" / "store.db", "--port", "0"],
+                        ["serve", "--db", dirs[0] / "store.db", "--port", "0"],
                         "admin token")
     assert again[0] == 130, again[2]
 
@@ -246,3 +248,117 @@ def test_serve_workers_refuses_sqlite_a_bad_count_and_one_metrics_port(tmp_path)
     one_sentence_error(zero, 2, "--workers N with N >= 1", "found 0")
     one_sentence_error(metrics, 2, "no --metrics-port with --workers 2", "admin token")
     one_sentence_error(edge, 2, "no --upstream with --workers")
+
+
+def test_serve_refuses_a_database_in_a_directory_that_does_not_exist(tmp_path):
+    # it made the directories and a second, empty deployment with a new admin token
+    missing = tmp_path / "nonexistent" / "dir"
+    (tmp_path / "a-file").write_text("")
+    in_none, in_file, as_url = fedlang_all(
+        ["serve", "--db", missing / "x.db", "--port", "0"],
+        ["serve", "--db", tmp_path / "a-file" / "x.db", "--port", "0"],
+        ["serve", "--db", f"sqlite:///{missing / 'x.db'}", "--port", "0"], cwd=tmp_path,
+        timeout=120)
+    one_sentence_error(in_none, 1, f"Expected the directory {missing} of --db {missing / 'x.db'} "
+                       f"to exist, found none; create it first (mkdir -p {missing})")
+    one_sentence_error(in_file, 1, f"found {tmp_path / 'a-file'} a file")
+    one_sentence_error(as_url, 1, f"Expected the directory {missing} of --db sqlite:///")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing made
+    for db in ("postgresql://nobody@127.0.0.1:1/none", "postgres://u:p@db.example/x/y",
+               ":memory:", "sqlite:///:memory:", "store.db"):  # not refused
+        deploy_cli._check_directory(db)
+
+
+def test_a_corrupt_credential_file_is_named_with_the_fix(tmp_path):
+    # it said only "Error: Expecting property name enclosed in double quotes: line 1
+    # column 2 (char 1)" (or "Error: 'client_id'")
+    np.savez(tmp_path / "data.npz", x=np.zeros((4, 3), np.float32))
+    files = {"quotes.json": "{'client_id': 'c-1'}", "fields.json": '{"server": "http://x"}'}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with socket.socket() as closed:  # never reached: the file is read first
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        quotes, fields = fedlang_all(*(
+            ["client", "--server", url, "--population", "pop", "--data",
+             f"train={tmp_path / 'data.npz'}", "--credential-file", tmp_path / name]
+            for name in files), timeout=120)
+    fix = "; delete it to enroll again as a new client (with the population's token)."
+    one_sentence_error(quotes, 1, f"Expected the credential file {tmp_path / 'quotes.json'} to "
+                       "hold this client's credential (JSON), found invalid JSON (Expecting "
+                       "property name enclosed in double quotes: line 1 column 2 (char 1))" + fix)
+    one_sentence_error(fields, 1, f"Expected the credential file {tmp_path / 'fields.json'} to "
+                       "hold this client's credential (JSON with client_id, credential, "
+                       "public_key), found JSON without client_id, credential, public_key" + fix)
+    for name, text in files.items():
+        assert (tmp_path / name).read_text() == text  # left for the user to look at
+
+
+def _client(tmp_path, url, *args):
+    return ["client", "--server", url, "--population", "pop", "--data",
+            f"train={tmp_path / 'data.npz'}", *args]
+
+
+def _said(err, text):
+    """The lines of a client's log (after its time stamp) that start with `text`."""
+    lines = [line.split(" ", 2)[-1] for line in err.splitlines()]
+    return [line for line in lines if line.startswith(text)]
+
+
+def test_a_client_says_at_once_that_the_server_is_unreachable(tmp_path):
+    # it was silent for its whole --patience (300 s by default)
+    np.savez(tmp_path / "data.npz", x=np.zeros((4, 3), np.float32))
+    with socket.socket() as closed:  # bound, not listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        status, _, err = fedlang(*_client(tmp_path, url, "--token", "t", "--patience", "3"),
+                                 timeout=120)
+    assert status == 1 and "Traceback" not in err, err
+    assert _said(err, "server unreachable") == [  # once, not at each of its tries
+        f"server unreachable at {url} (ConnectError: [Errno 111] Connection refused), "
+        "retrying for up to 3 s"], err
+    assert err.splitlines()[-1].startswith(f"Error: Expected the server at {url}"), err
+
+
+def test_a_running_client_says_when_it_loses_the_server_and_gets_it_back(tmp_path):
+    # a server restart went by with no word; a rejoining client did not say it was in
+    np.savez(tmp_path / "data.npz", x=np.zeros((4, 3), np.float32))
+    db, (d, again) = tmp_path / "server.db", (tmp_path / "client", tmp_path / "again")
+    d.mkdir()
+    again.mkdir()
+    first = deploy.Server(db=db, port=0).start()
+    try:
+        with deploy.Admin(first.url, first.admin_token) as admin:
+            token = admin.create_population("pop")
+        process, finish = start_fedlang(
+            *_client(tmp_path, first.url, "--token", token, "--credential-file",
+                     tmp_path / "cred.json", "--patience", "120"), cwd=d)
+        _wait_for("enrolled as", d / "stderr.txt", process)
+    finally:
+        first.stop()
+    try:
+        _wait_for("server unreachable", d / "stderr.txt", process)
+        with deploy.Server(db=db, port=first.port):  # the same server again
+            _wait_for("server reachable again", d / "stderr.txt", process)
+            process.send_signal(signal.SIGTERM)
+            status, _, err = finish(timeout=60)
+            # run again, it rejoins with its credential
+            process, finish = start_fedlang(*_client(tmp_path, first.url, "--credential-file",
+                                                     tmp_path / "cred.json"), cwd=again)
+            _wait_for("rejoined as", again / "stderr.txt", process)
+            process.send_signal(signal.SIGTERM)
+            rejoined = finish(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            finish(timeout=60)
+    assert status == 143, err
+    lost = _said(err, "server unreachable")
+    assert len(lost) == 1 and lost[0].startswith(f"server unreachable at {first.url} ("), err
+    assert lost[0].endswith("), retrying for up to 120 s"), err
+    back = _said(err, "server reachable again")
+    assert len(back) == 1 and re.fullmatch(r"server reachable again after \d+\.\d s", back[0]), err
+    client_id = json.loads((tmp_path / "cred.json").read_text())["client_id"]
+    assert rejoined[0] == 143, rejoined[2]
+    assert _said(rejoined[2], "rejoined") == [
+        f"rejoined as {client_id} (credential {tmp_path / 'cred.json'})"], rejoined[2]

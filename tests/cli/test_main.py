@@ -1,8 +1,14 @@
 """The `fedlang` app (src/fedlang/cli/__init__.py): the entry points and the command groups."""
 
+import concurrent.futures
 import re
 import subprocess
 import sys
+
+import typer
+
+from fedlang import cli
+from fedlang.cli import deploy, ops
 
 from ._run import ENV, fedlang, fedlang_all
 
@@ -40,3 +46,78 @@ def test_help_shows_flags_bare_and_names_what_each_option_takes():
             assert "<" not in usage, (command, line)
             flag = " / " in usage or usage in ("--help", "--version")
             assert flag or re.fullmatch(r"--[a-z-]+ [A-Z=]+", usage), (command, line)
+
+
+# Imported, these raise as they would were the deploy extra not installed (a finder
+# first on sys.meta_path, put there by a sitecustomize first on the path): find_spec
+# and import both fail.
+_WITHOUT_DEPLOY = '''
+import sys
+
+MISSING = {"fastapi", "starlette", "uvicorn", "httpx", "psycopg", "prometheus_client"}
+
+
+class _Missing:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.partition(".")[0] in MISSING:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Missing)
+'''
+
+
+def test_deploy_commands_without_the_deploy_extra_name_what_to_install(tmp_path):
+    # each printed a 30-line traceback ending in "No module named 'httpx'" (enroll-bulk
+    # after making its --out file); now one sentence, before anything is made
+    blocker = tmp_path / "no_deploy"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(_WITHOUT_DEPLOY)
+    url = "http://127.0.0.1:1"
+    commands = {
+        "serve": ["serve", "--db", tmp_path / "x.db", "--port", "0"],
+        "client": ["client", "--server", url, "--population", "p", "--data", "x=d.npz"],
+        "status": ["status", url],
+        "follow": ["follow", url, "1", "--admin-token", "t"],
+        "enroll-bulk": ["enroll-bulk", url, "p", "2", "--admin-token", "t", "--out",
+                        tmp_path / "creds.ndjson"],
+        "populations": ["populations", url, "--admin-token", "t"],
+    }
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = dict(zip(commands, pool.map(
+            lambda args: fedlang(*args, cwd=tmp_path, path_first=blocker, timeout=120),
+            commands.values()), strict=True))
+    for name, (status, stdout, stderr) in results.items():
+        assert status == 1, (name, stderr)
+        assert "Traceback" not in stderr and stdout == "", (name, stderr)
+        needs = "fastapi, uvicorn, httpx and prometheus_client" if name == "serve" else "httpx"
+        assert stderr.split() == (
+            f"Error: Expected {needs}, which `fedlang {name}` needs, found "
+            f"{'them' if name == 'serve' else 'it'} not installed. Install the deploy extra: "
+            "pip install 'fedlang[deploy]'.").split(), (name, stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no_deploy"]  # nothing made
+    # their help needs nothing more
+    status, stdout, stderr = fedlang("serve", "--help", path_first=blocker, timeout=120)
+    assert status == 0 and "Serve a task store" in stdout, stderr
+
+
+def test_help_says_which_commands_need_which_extra():
+    status, stdout, _ = fedlang("--help")
+    assert status == 0
+    said = " ".join(stdout.split("Commands that need an extra", 1)[1].split())
+    assert said == (
+        "(pip install 'fedlang[EXTRA]'): deploy: serve, client, status, revoke, rotate-token, "
+        "device-tokens, enroll-bulk, populations, rounds, sessions, follow, stop-round, "
+        "stop-session examples: demo, and train on the digits dataset (scikit-learn)"), said
+
+
+def test_every_deployment_command_checks_the_deploy_extra():
+    # a command added to cli/deploy.py or cli/ops.py is checked only once NEEDS lists it
+    app = typer.Typer()
+    deploy.register(app)
+    ops.register(app)
+    names = {c.name or typer.main.get_command_name(c.callback.__name__)
+             for c in app.registered_commands}
+    assert names == {n for n, (extra, _) in cli.NEEDS.items() if extra == "deploy"}

@@ -3,7 +3,7 @@
 deployment's commands.
 
 FastAPI, uvicorn and httpx (`pip install 'fedlang[deploy]'`) are imported only when a
-command runs.
+command runs; `fedlang.cli.NEEDS` lists which each needs, checked before it runs.
 """
 
 from __future__ import annotations
@@ -125,6 +125,8 @@ def serve(
     an SQLite database another server holds.
     """
     _check_roles(upstream, upstream_token, ephemeral, workers, db, metrics_port)
+    if not ephemeral:  # an ephemeral edge's store is made in a new temporary directory
+        _check_directory(db)
     with _signals() as (stopped, made):
         from fedlang.deploy.server import serve as server_lib
         from fedlang.deploy.store import store as store_lib
@@ -335,6 +337,23 @@ def _stopped(signum: int, what: str) -> NoReturn:
     console.fail(f"{what}.", 128 + signum, label=label)
 
 
+def _check_directory(db: str) -> None:
+    """Refuses (status 1) an SQLite `--db` in a directory that does not exist: a typo
+    there would start a second, empty deployment with a new admin token."""
+    path = db.removeprefix("sqlite:///")
+    if "://" in path:
+        return  # postgresql://... (a server's database), or a URL the store refuses
+    parent = pathlib.Path(path).parent
+    if path == ":memory:" or parent.is_dir():
+        return
+    if parent.exists():
+        console.fail(f"Expected the directory of --db {db} to be a directory, found {parent} "
+                     "a file; give --db a file in a directory.")
+    console.fail(f"Expected the directory {parent} of --db {db} to exist, found none; create "
+                 f"it first (mkdir -p {parent}), or give --db a file in a directory that "
+                 "exists.")
+
+
 def _database(db: str) -> str:
     """The database a `--db` names, as said to a user: an SQLite file, or a PostgreSQL
     URL without its password."""
@@ -484,13 +503,16 @@ def status_tables(doc: dict[str, Any]) -> Table:
     counts.add_column("count", justify="right")
     reports = doc["reports"]
     refused = ", ".join(f"{k} {v}" for k, v in sorted(reports["refused"].items())) or "none"
+    admin = doc.get("admin_refused", {})  # absent from an older server's status
+    admin_refused = ", ".join(f"{k} {v}" for k, v in sorted(admin.items())) or "none"
     rows = [
         ("populations", ", ".join(f"{p['name']} ({p['clients']} clients)"
                                   for p in doc["populations"]) or "none"),
         ("enrollments", doc["enrollments"]),
         ("check-ins", doc["checkins"]),
         ("reports accepted", reports["accepted"]),
-        ("reports refused", f"{sum(reports['refused'].values())} ({refused})"),
+        ("reports and client requests refused", f"{sum(reports['refused'].values())} ({refused})"),
+        ("admin requests refused", f"{sum(admin.values())} ({admin_refused})"),
         ("late reports", reports["late"]),
         ("dropouts", doc["dropouts"]),
         ("rounds closed / failed", f"{doc['rounds_closed']} / {doc['rounds_failed']}"),

@@ -68,6 +68,10 @@ T = TypeVar("T")
 _KEPT_BLOBS, _KEPT_BLOB_BYTES = 8, 64 << 20
 
 
+class CredentialFileError(ValueError):
+    """A credential file that holds no credential (not JSON, or without its fields)."""
+
+
 def _dataset(value: Any, batch_size: int) -> Any:
     if isinstance(value, str | os.PathLike):
         path = pathlib.Path(value)
@@ -115,6 +119,8 @@ class Client:
         state_dir: str | os.PathLike[str] | None = None,
         **connection: Any,
     ):
+        # said in its log: a server that stops answering, and answers again
+        connection.setdefault("say", log.warning)
         self.connection = connection_lib.Connection(server, patience=patience, **connection)
         self.population = population
         self.token = token
@@ -130,16 +136,42 @@ class Client:
         self._plans: cache.VerifiedPlans | None = None
         self._left: set[int] = set()  # secure rounds this client can no longer take part in
         self._stop = threading.Event()
+        self._rejoining = False  # a credential from `credential_file`, not yet used
         if self.credential_file and self.credential_file.exists():
             self._load_credential()
 
     # -- enrollment
 
     def _load_credential(self) -> None:
-        assert self.credential_file is not None
-        doc = json.loads(self.credential_file.read_text())
+        """The credential and pinned key kept in `credential_file` by `enroll`.
+
+        Raises:
+          CredentialFileError: the file is not such a credential (not JSON, or without
+            its fields): it says to delete it, so the client enrolls again.
+        """
+        path = self.credential_file
+        assert path is not None
+        fix = "; delete it to enroll again as a new client (with the population's token)."
+        expected = f"Expected the credential file {path} to hold this client's credential"
+        try:
+            doc = json.loads(path.read_bytes())
+        except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+            raise CredentialFileError(f"{expected} (JSON), found invalid JSON ({e}){fix}") from e
+        fields = ("client_id", "credential", "public_key")
+        missing = [k for k in fields if not isinstance(doc, dict) or not isinstance(doc.get(k), str)]
+        if missing:
+            found = (f"JSON without {', '.join(missing)}" if isinstance(doc, dict) else
+                     f"a JSON {type(doc).__name__}")
+            raise CredentialFileError(
+                f"{expected} (JSON with {', '.join(fields)}), found {found}{fix}")
+        try:
+            key = base64.b64decode(doc["public_key"], validate=True)
+        except binascii.Error as e:
+            raise CredentialFileError(
+                f"{expected}, found a public_key that is not base64 ({e}){fix}") from e
         self.client_id, self.credential = doc["client_id"], doc["credential"]
-        self._pin(base64.b64decode(doc["public_key"]))
+        self._pin(key)
+        self._rejoining = True
 
     def _pin(self, key: bytes) -> None:
         if self.pinned is not None and key != self.pinned:
@@ -162,6 +194,7 @@ class Client:
         )
         self._pin(base64.b64decode(doc["public_key"]))
         self.client_id, self.credential = doc["client_id"], doc["credential"]
+        self._rejoining = False
         if self.credential_file is not None:
             fd = os.open(self.credential_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -179,12 +212,16 @@ class Client:
         if self.credential is None:
             self.enroll()
         try:
-            return send(self.credential)
+            answer = send(self.credential)
         except protocol.Unauthorized:
             if self.token is None:
                 raise
             self.enroll()
             return send(self.credential)
+        if self._rejoining:  # the server took the kept credential
+            self._rejoining = False
+            log.info("rejoined as %s (credential %s)", self.client_id, self.credential_file)
+        return answer
 
     # -- the loop
 

@@ -110,6 +110,9 @@ class Connection:
         min(largest, first * 2^attempt) ("full jitter"), so restarting servers are not
         met by a stampede. A 429 (rate limited) with `Retry-After` is retried after the
         seconds it says (and a quarter of them at most, at random).
+      say: where to say, once each, that a request's server stopped answering (and for
+        how long it is retried) and that it answers again (a client passes its log);
+        default: nowhere.
     """
 
     def __init__(
@@ -122,8 +125,10 @@ class Connection:
         backoff: tuple[float, float] = (0.2, 10.0),
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        say: Callable[[str], None] | None = None,
     ):
         self.url = check_url(url)
+        self.say = say
         self.patience = patience
         self.backoff = backoff
         self.sleep = sleep
@@ -163,11 +168,13 @@ class Connection:
                 problem: str = f"{type(e).__name__}: {e}"
             else:
                 if resp.status_code < 400 or resp.status_code == 304:
+                    waits.answered()
                     return resp
                 if stream:
                     resp.read()
                     resp.close()
                 if resp.status_code not in _RETRY_STATUS:
+                    waits.answered()  # a refusal is an answer too
                     raise _error(resp)
                 problem = f"HTTP {resp.status_code}"
                 told = _retry_after(resp)
@@ -230,6 +237,7 @@ class Connection:
                 resp.close()
             waits.what = f"GET {path} (cut after {got} bytes)"
             waits.wait(problem)
+        waits.answered()
         if expected_hash is not None and digest.hexdigest() != expected_hash:
             raise protocol.BadRequest(
                 f"Expected the bytes of blob {expected_hash} from {self.url}{path}, found "
@@ -252,6 +260,7 @@ class _Waits:
         self.conn, self.what, self.retry = conn, what, retry
         self.first_failure: float | None = None
         self.attempt = 0
+        self.said = False  # that the server is unreachable (`Connection.say`)
 
     def _left(self) -> float:
         now = self.conn.clock()
@@ -266,6 +275,13 @@ class _Waits:
         self.conn.sleep(told + self.conn._rng.uniform(0, min(told, 1.0) / 4))
         return True
 
+    def answered(self) -> None:
+        """The request got its answer: says so if its server was said to be unreachable."""
+        if self.said and self.conn.say is not None and self.first_failure is not None:
+            self.said = False
+            self.conn.say(f"server reachable again after "
+                          f"{self.conn.clock() - self.first_failure:.1f} s")
+
     def wait(self, problem: str) -> None:
         """Waits before the next try, or raises ServerUnavailable past the patience."""
         left = self._left()
@@ -276,6 +292,10 @@ class _Waits:
                 f"{problem} for {self.conn.clock() - self.first_failure:.0f} s (patience "
                 f"{self.conn.patience:g} s); check that it runs and that the URL is right."
             )
+        if self.conn.say is not None and not self.said:  # once, not at each try
+            self.said = True
+            self.conn.say(f"server unreachable at {self.conn.url} ({problem}), retrying for "
+                          f"up to {self.conn.patience:g} s")
         first, largest = self.conn.backoff
         # the last wait ends at the deadline, so `patience` is the seconds it retries
         grown = first * 2.0 ** min(self.attempt, 64)  # capped: 2**1024 overflows a float
