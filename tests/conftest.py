@@ -3,6 +3,8 @@
 import importlib.util
 import os
 import pathlib
+import shutil
+import tempfile
 import types
 import warnings
 
@@ -14,6 +16,23 @@ import pytest
 
 from fedlang.core import context
 from fedlang.runtime import RayContext, ReferenceContext, SimulationContext
+
+# One compilation cache on disk for the whole run: the suite builds the same processes
+# again and again (each test its own, each CLI test in its own `fedlang` process, each
+# pytest-xdist worker its own), and a program compiled once is read back, not compiled
+# again. The first process to load this file (the run, or its xdist controller) makes
+# the directory; workers and subprocesses inherit it through the environment and
+# `pytest_unconfigure` removes it at the end.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="fedlang-jax-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                  int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 
 # Implicit dtype promotion hides bugs (float32 * float64 -> float64 silently): forbid it.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -70,6 +89,12 @@ def _decision_cache_in_tmp(tmp_path_factory):
         os.environ.pop("FEDLANG_CACHE_DIR", None)
     else:
         os.environ["FEDLANG_CACHE_DIR"] = previous
+
+
+def pytest_unconfigure(config):
+    """Removes the compilation cache this process made (the run's or xdist controller's)."""
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(params=list(RUNTIMES))
