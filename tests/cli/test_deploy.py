@@ -269,6 +269,20 @@ def test_serve_refuses_a_database_in_a_directory_that_does_not_exist(tmp_path):
         deploy_cli._check_directory(db)
 
 
+def test_serve_names_a_postgresql_server_it_cannot_reach_in_one_sentence(tmp_path):
+    # it printed psycopg's OperationalError as a 40-line traceback; the password is hidden
+    with socket.socket() as closed:  # a loopback port where nothing listens
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        result = fedlang("serve", "--db", f"postgresql://fl:s3cret@127.0.0.1:{port}/store",
+                         "--key-file", tmp_path / "k.key", "--port", "0", cwd=tmp_path,
+                         timeout=120)
+    one_sentence_error(result, 1, "Expected the PostgreSQL server of "
+                       f"postgresql://fl:***@127.0.0.1:{port}/store to accept a connection",
+                       "Check that it runs and that the URL")
+    assert "s3cret" not in result[1] + result[2]
+
+
 def test_a_corrupt_credential_file_is_named_with_the_fix(tmp_path):
     # it said only "Error: Expecting property name enclosed in double quotes: line 1
     # column 2 (char 1)" (or "Error: 'client_id'")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pathlib
 import sqlite3
+import urllib.parse
 from typing import Any
 
 
@@ -119,13 +120,33 @@ class Postgres(Dialect):
             raise ImportError(
                 "A PostgreSQL task store needs psycopg 3: pip install 'fedlang[deploy]'."
             ) from e
-        return psycopg.connect(self.url, autocommit=True)
+        try:
+            return psycopg.connect(self.url, autocommit=True)
+        except psycopg.OperationalError as e:  # an OSError: a server says it in one line
+            raise ConnectionError(
+                f"Expected the PostgreSQL server of {_without_password(self.url)} to accept a "
+                f"connection, found: {' '.join(str(e).split())}. Check that it runs and that "
+                "the URL (host, port, user, database) is right.") from e
 
     def sql(self, query: str) -> str:
         return query.replace("?", "%s")
 
     def lock_table(self, tx: Tx, table: str) -> None:
         tx.run(f"LOCK TABLE {table} IN SHARE ROW EXCLUSIVE MODE")
+
+
+def _without_password(url: str) -> str:
+    """`url` with its password, if any, replaced by `***` (for messages and logs).
+
+    Example:
+      >>> _without_password("postgresql://fl:secret@db:5432/store")
+      'postgresql://fl:***@db:5432/store'
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def dialect(url: str | os.PathLike[str]) -> Dialect:
