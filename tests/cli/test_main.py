@@ -103,6 +103,26 @@ def test_deploy_commands_without_the_deploy_extra_name_what_to_install(tmp_path)
     assert status == 0 and "Serve a task store" in stdout, stderr
 
 
+def test_train_releasing_metrics_without_the_deploy_extra_names_what_to_install(tmp_path):
+    # it said only "Error: No module named 'httpx'", after loading the data
+    blocker = tmp_path / "no_deploy"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(_WITHOUT_DEPLOY)
+    (tmp_path / "exp.toml").write_text(
+        '[data]\ndataset = "digits"\nnum_clients = 4\n[model]\nkind = "softmax"\n'
+        f'[training]\nrounds = 1\ncohort_size = 2\n[output]\ndir = "{tmp_path / "run"}"\n')
+    status, _, stderr = fedlang(
+        "train", "exp.toml", "--metrics-server", "http://127.0.0.1:1", "--metrics-population",
+        "p", "--admin-token", "t", "--no-progress", cwd=tmp_path, path_first=blocker,
+        timeout=120)
+    assert status == 1 and "Traceback" not in stderr, stderr
+    assert " ".join(stderr.split()) == (
+        "Error: Expected httpx, which releasing metrics to a server (output.server, "
+        "--metrics-server) needs, found it not installed (No module named 'httpx'). Install "
+        "the deploy extra: pip install 'fedlang[deploy]'.")
+    assert not (tmp_path / "run").exists()
+
+
 def test_help_says_which_commands_need_which_extra():
     status, stdout, _ = fedlang("--help")
     assert status == 0

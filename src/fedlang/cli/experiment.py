@@ -207,15 +207,22 @@ def check_installed(config: Mapping[str, Any]) -> None:
       ImportError: naming the package and the pip command that installs it.
     """
     module, package, extra = NEEDS.get(config["data"]["dataset"], (None, "", ""))
-    if module is None:
-        return
-    try:
-        importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(
-            f"Expected {package}, which reads the {config['data']['dataset']!r} dataset (the "
-            f"demo's), found it not installed ({e}). Install it: pip install "
-            f"'fedlang[{extra}]' (or pip install {package}).") from e
+    if module is not None:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ImportError(
+                f"Expected {package}, which reads the {config['data']['dataset']!r} dataset (the "
+                f"demo's), found it not installed ({e}). Install it: pip install "
+                f"'fedlang[{extra}]' (or pip install {package}).") from e
+    if config["output"].get("server"):
+        try:
+            importlib.import_module("httpx")
+        except ImportError as e:
+            raise ImportError(
+                "Expected httpx, which releasing metrics to a server (output.server, "
+                f"--metrics-server) needs, found it not installed ({e}). Install the deploy "
+                "extra: pip install 'fedlang[deploy]'.") from e
 
 
 def fingerprint_config(config: Mapping[str, Any]) -> dict[str, Any]:
