@@ -69,6 +69,14 @@ _COUNTERS = (
 )
 
 
+def _by_reason(name: str, doc: str, counts: dict[str, int]) -> Any:
+    """A counter family labelled by `reason`, one sample per entry of `counts`."""
+    family = prometheus_core.CounterMetricFamily(name, doc, labels=["reason"])
+    for reason, value in counts.items():
+        family.add_metric([reason], value)
+    return family
+
+
 class StoreCollector(prometheus_registry.Collector):
     """The task store's counters and round durations, read at each scrape."""
 
@@ -83,22 +91,14 @@ class StoreCollector(prometheus_registry.Collector):
         for key, name, doc in _COUNTERS:
             yield prometheus_core.CounterMetricFamily(name, doc, value=counters.get(key, 0))
         reports, admin = metrics_lib.refusal_counts(counters)
-        refused = prometheus_core.CounterMetricFamily(
+        yield _by_reason(
             "fedlang_reports_refused",
             "Reports and client requests refused, by reason (late, stale, unauthorized, ...).",
-            labels=["reason"],
-        )
-        for reason, value in reports.items():
-            refused.add_metric([reason], value)
-        yield refused
-        admin_refused = prometheus_core.CounterMetricFamily(
+            reports)
+        yield _by_reason(
             "fedlang_admin_requests_refused",
             "Requests for admin routes refused, by reason (unauthorized: without the admin token).",
-            labels=["reason"],
-        )
-        for reason, value in admin.items():
-            admin_refused.add_metric([reason], value)
-        yield admin_refused
+            admin)
         ended = prometheus_core.CounterMetricFamily(
             "fedlang_rounds_ended", "Rounds ended, by state (closed, failed).", labels=["state"]
         )
