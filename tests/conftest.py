@@ -22,13 +22,19 @@ from fedlang.runtime import RayContext, ReferenceContext, SimulationContext
 # pytest-xdist worker its own), and a program compiled once is read back, not compiled
 # again. The first process to load this file (the run, or its xdist controller) makes
 # the directory; workers and subprocesses inherit it through the environment and
-# `pytest_unconfigure` removes it at the end.
+# `pytest_unconfigure` removes it at the end. A size limit turns on JAX's file lock
+# around each entry's read and write: without it an entry is written in place, and a
+# process or thread reading it meanwhile reads half of it (JAX warns, which the suite
+# makes an error).
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="fedlang-jax-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_compilation_cache_max_size",
+                  int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 jax.config.update("jax_persistent_cache_min_entry_size_bytes",
