@@ -198,17 +198,20 @@ def program_avals(comp: local.LocalProgram) -> dict[str, list[jax.ShapeDtypeStru
     return {"prologue": args, "step": args + state + batch, "epilogue": args + state}
 
 
+def needs_x64(leaf: types.Type) -> bool:
+    """Whether `leaf` is a 64-bit tensor type while JAX runs in 32 bits (sparse int64
+    indices excepted: they are int64 as in TensorFlow)."""
+    dt = getattr(leaf, "dtype", None)
+    if dt is None or dt.itemsize != 8 or dt.kind not in "fiuc":
+        return False
+    if jax.config.jax_enable_x64:  # type: ignore[attr-defined]  # flags are dynamic attributes
+        return False
+    return not (dt.kind in "iu" and isinstance(leaf, types.SparseTensorType))
+
+
 def _check_x64(t: types.Type, what: str) -> None:
     for leaf in types.tensor_leaves(t):
-        dt = getattr(leaf, "dtype", None)
-        if (
-            dt is not None
-            and dt.itemsize == 8
-            and dt.kind in "fiuc"
-            and not jax.config.jax_enable_x64  # type: ignore[attr-defined]  # flags are dynamic attributes
-        ):
-            if dt.kind in "iu" and isinstance(leaf, types.SparseTensorType):
-                continue
+        if needs_x64(leaf):
             raise TypeError(
                 f"{what} has a 64-bit type {leaf}, but JAX runs in 32 bits; use a 32-bit dtype or "
                 "enable jax_enable_x64."

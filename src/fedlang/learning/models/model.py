@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedlang.backends.jax import computation as jax_computation
 from fedlang.core import tff_names, types
 from fedlang.learning import metrics as metrics_lib
 
@@ -163,14 +164,10 @@ def check_32_bit(input_spec: types.Type) -> None:
       TypeError: naming the field (e.g. `input_spec['y']`), its type and the 32-bit
         dtype to use.
     """
-    if jax.config.jax_enable_x64:  # type: ignore[attr-defined]  # flags are dynamic attributes
-        return
     for path, leaf in _leaves_with_paths(input_spec, "input_spec"):
-        dt = getattr(leaf, "dtype", None)
-        if dt is None or dt.itemsize != 8 or dt.kind not in "iufc":
+        if not jax_computation.needs_x64(leaf):
             continue
-        if dt.kind in "iu" and isinstance(leaf, types.SparseTensorType):
-            continue  # sparse indices are int64, as in TensorFlow
+        dt = cast(np.dtype, leaf.dtype)  # type: ignore[attr-defined]  # a tensor type's
         narrow = np.dtype(f"{dt.kind}{dt.itemsize // 2}").name
         tff = (f" (TFF's tf.{dt.name} becomes {narrow} in fedlang; see 'Coming from "
                "TensorFlow Federated' in fedlang's documentation)" if dt.kind in "iu" else "")
