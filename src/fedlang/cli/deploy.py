@@ -502,17 +502,20 @@ def status_tables(doc: dict[str, Any]) -> Table:
     counts.add_column("what")
     counts.add_column("count", justify="right")
     reports = doc["reports"]
-    refused = ", ".join(f"{k} {v}" for k, v in sorted(reports["refused"].items())) or "none"
-    admin = doc.get("admin_refused", {})  # absent from an older server's status
-    admin_refused = ", ".join(f"{k} {v}" for k, v in sorted(admin.items())) or "none"
+
+    def by_reason(counts: dict[str, int]) -> str:  # "3 (late 1, stale 2)"
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+        return f"{sum(counts.values())} ({reasons})"
+
     rows = [
         ("populations", ", ".join(f"{p['name']} ({p['clients']} clients)"
                                   for p in doc["populations"]) or "none"),
         ("enrollments", doc["enrollments"]),
         ("check-ins", doc["checkins"]),
         ("reports accepted", reports["accepted"]),
-        ("reports and client requests refused", f"{sum(reports['refused'].values())} ({refused})"),
-        ("admin requests refused", f"{sum(admin.values())} ({admin_refused})"),
+        ("reports and client requests refused", by_reason(reports["refused"])),
+        # absent from an older server's status
+        ("admin requests refused", by_reason(doc.get("admin_refused", {}))),
         ("late reports", reports["late"]),
         ("dropouts", doc["dropouts"]),
         ("rounds closed / failed", f"{doc['rounds_closed']} / {doc['rounds_failed']}"),
