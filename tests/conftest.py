@@ -7,6 +7,7 @@ import shutil
 import tempfile
 import types
 import warnings
+import zlib
 
 # Keras must run on JAX; set before anything imports keras.
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -29,9 +30,8 @@ from fedlang.runtime import RayContext, ReferenceContext, SimulationContext
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="fedlang-jax-cache-")
-# (Programs that compile in under 0.25 s are left out: reading them back saves little,
-# and each entry makes every later write scan a longer directory.)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
+# (Programs that compile in under 0.1 s are left out: reading them back saves nothing.)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
@@ -41,6 +41,17 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 jax.config.update("jax_persistent_cache_min_entry_size_bytes",
                   int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+# The size limit is there for the lock, not for eviction (a run writes well under 8 GiB),
+# but with it every write lists the whole directory to find what to evict, so each
+# entry makes every later write slower. This process skips that listing (JAX's private
+# LRUCache; if it is gone, writes are only slower). Subprocesses keep it: they write
+# few entries.
+try:
+    from jax._src import lru_cache as _lru_cache
+
+    _lru_cache.LRUCache._evict_if_needed = lambda self, *, additional_size=0: None
+except (ImportError, AttributeError):
+    pass
 
 # Implicit dtype promotion hides bugs (float32 * float64 -> float64 silently): forbid it.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -105,7 +116,30 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
-@pytest.fixture(params=list(RUNTIMES))
+# The configurations every test of a learning algorithm or an aggregator runs on: its
+# subject is the same math on every runtime, and the intrinsics it is built of are
+# checked on all six configurations by tests/core, tests/runtime and tests/backends. So
+# it runs on the reference, the default simulation, and one of the four others, picked
+# by the test's name (each of them gets a share of the tests, and so every algorithm
+# file meets several). `pytest.mark.every_runtime` puts a test there back on all six.
+SAMPLED_DIRS = ("learning", "aggregators")
+ALWAYS = ("reference", "simulation")
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrizes `runtime`: every configuration, or the sample (see `SAMPLED_DIRS`)."""
+    if "runtime" not in metafunc.fixturenames:
+        return
+    names = list(RUNTIMES)
+    test_dir = pathlib.Path(metafunc.definition.path).relative_to(ROOT / "tests").parts[0]
+    if test_dir in SAMPLED_DIRS and not metafunc.definition.get_closest_marker("every_runtime"):
+        others = [name for name in RUNTIMES if name not in ALWAYS]
+        pick = zlib.crc32(metafunc.definition.originalname.encode()) % len(others)
+        names = [*ALWAYS, others[pick]]
+    metafunc.parametrize("runtime", names, indirect=True)
+
+
+@pytest.fixture
 def runtime(request):
     """Makes each runtime the default in turn; yields a factory `make(num_clients=None)`."""
     if request.param == "ray":

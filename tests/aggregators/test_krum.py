@@ -1,5 +1,5 @@
 """Krum, multi-Krum and Bulyan: the papers' choices on hand-made inputs, and a plain-NumPy
-transcription of the papers on random ones, on every runtime."""
+transcription of the papers on random ones, on the runtime sample (tests/conftest.py)."""
 
 import jax.numpy as jnp
 import numpy as np

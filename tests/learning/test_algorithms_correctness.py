@@ -1,4 +1,5 @@
-"""Algorithm correctness against centralized JAX math, on every runtime."""
+"""Algorithm correctness against centralized JAX math, on the runtime
+sample (tests/conftest.py)."""
 
 import functools
 

@@ -1,4 +1,5 @@
-"""SCAFFOLD, Ditto and FedPer against plain NumPy, round by round, on every runtime.
+"""SCAFFOLD, Ditto and FedPer against plain NumPy, round by round, on the runtime
+sample (tests/conftest.py).
 
 Each algorithm runs several rounds with partial participation (so stale client
 states matter) with its client states in a `ClientStateStore`, and every server and

@@ -1,4 +1,5 @@
-"""Federated k-means: TFF 0.87's results (tff_reference/) on every runtime."""
+"""Federated k-means: TFF 0.87's results (tff_reference/) on the runtime
+sample (tests/conftest.py)."""
 
 import functools
 import json

@@ -1,4 +1,5 @@
-"""q-FedAvg against a plain-NumPy transcription of the paper's algorithm, on every runtime."""
+"""q-FedAvg against a plain-NumPy transcription of the paper's algorithm, on the runtime
+sample (tests/conftest.py)."""
 
 import functools
 

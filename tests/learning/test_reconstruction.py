@@ -1,5 +1,6 @@
-"""Federated Reconstruction: TFF 0.87's results (tff_reference/) on every runtime, and
-the parts TFF's reference does not pin (local weights stay local, loss weighting)."""
+"""Federated Reconstruction: TFF 0.87's results (tff_reference/) on the runtime sample
+(tests/conftest.py), and the parts TFF's reference does not pin (local weights stay
+local, loss weighting)."""
 
 import functools
 import json

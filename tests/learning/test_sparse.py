@@ -1,4 +1,5 @@
-"""Sparse FedAvg (`fedlang.learning.sparse`) against a dense reference, on every runtime."""
+"""Sparse FedAvg (`fedlang.learning.sparse`) against a dense reference, on the runtime
+sample (tests/conftest.py)."""
 
 import jax
 import jax.numpy as jnp
