@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 # (apt-get, a system package) for the browser tests; FEDLANG_BROWSER_SETUP=0 installs
 # neither. Where they cannot be had, the browser tests are skipped, saying why.
 ./scripts/browser_setup.sh
+./scripts/proxy_setup.sh  # Debian's nginx (apt-get, as root) for test_proxy.py; FEDLANG_PROXY_SETUP=0: none
 .venv/bin/ruff check src tests examples bench
 .venv/bin/mypy
 # One pytest-xdist worker per core, at most 4 (each holds a JAX, a Ray instance and a

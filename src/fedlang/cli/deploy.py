@@ -67,6 +67,18 @@ def serve(
     max_connections: Annotated[int, typer.Option(
         metavar="N", help="Connections and requests at once (more get 503; clients retry).")]
     = 1000,
+    max_connections_per_address: Annotated[int, typer.Option(
+        metavar="N", help="Connections one address may hold open at once; one more gets 503 and is closed at once (0: no cap; trusted proxies, --forwarded-allow-ips, are not capped).")]
+    = 100,
+    max_unfinished_per_address: Annotated[int, typer.Option(
+        metavar="N", help="Connections of one address whose request headers have not ended; one more gets 503 and is closed at once (0: no cap).")]
+    = 10,
+    body_min_rate: Annotated[float, typer.Option(
+        metavar="BYTES", help="Bytes per second a request's body must arrive at, over every --body-rate-window seconds (slower: 408 and the connection closed; 0: no minimum).")]
+    = 1024.0,
+    body_rate_window: Annotated[float, typer.Option(
+        metavar="SECONDS", help="The window of --body-min-rate: how long a trickling body holds its connection.")]
+    = 10.0,
     log_format: Annotated[str, typer.Option(
         metavar="FORMAT", help="Logs on stderr: text (human-readable) or json (one object a line, with a request id).")]
     = "text",
@@ -98,6 +110,11 @@ def serve(
     = 1.0,
     enroll_burst: Annotated[int, typer.Option(
         metavar="B", help="Failed enrollments one address may make at once.")] = 20,
+    admin_rate: Annotated[float, typer.Option(
+        metavar="R", help="Requests with a wrong admin token per second one address may make (then 429, even with the right one; 0: no limit).")]
+    = 1.0,
+    admin_burst: Annotated[int, typer.Option(
+        metavar="B", help="Requests with a wrong admin token one address may make at once.")] = 20,
     workers: Annotated[int | None, typer.Option(
         metavar="N", help="Serve from N worker processes on one PostgreSQL database (one port; a worker that dies is replaced).")]
     = None,
@@ -110,6 +127,9 @@ def serve(
     stream_report_bytes: Annotated[str, typer.Option(
         metavar="SIZE", help="Reports larger than this (a large model's) are checked as they arrive and stored, then folded when their round closes, never held (0: every report a sum can take).")]
     = "64M",
+    forwarded_allow_ips: Annotated[str, typer.Option(
+        metavar="ADDRESSES", help="Reverse proxies whose X-Forwarded-For (the client's address, which the per-address limits count) and X-Forwarded-Proto are believed: comma-separated addresses or networks, * for any, '' for none.")]
+    = "127.0.0.1,::1",
 ) -> None:
     """Serve a task store: clients check in for tasks; the driver opens rounds.
 
@@ -148,10 +168,15 @@ def serve(
                 ssl_certfile=ssl_certfile, browser=browser, demo_page=demo_page,
                 limits=server_lib.Limits(header_timeout, body_timeout, keep_alive,
                                          max_connections, client_rate, client_burst,
-                                         enroll_rate, enroll_burst, **sizes),
+                                         enroll_rate, enroll_burst, **sizes,
+                                         max_connections_per_address=max_connections_per_address,
+                                         max_unfinished_per_address=max_unfinished_per_address,
+                                         body_min_rate=body_min_rate,
+                                         body_rate_window=body_rate_window,
+                                         admin_rate=admin_rate, admin_burst=admin_burst),
                 # the defaults keep uvicorn's own logging, as before --log-format
                 log_format=None if (log_format, log_level) == ("text", "warning") else log_format,
-                log_level=log_level.lower(),
+                log_level=log_level.lower(), forwarded_allow_ips=forwarded_allow_ips,
             )
             server = server_lib.Server(  # with --workers: binds the port, sets up the database
                 db, host, port, admin_token, key_file, **options,
@@ -516,6 +541,9 @@ def status_tables(doc: dict[str, Any]) -> Table:
         ("reports and client requests refused", by_reason(reports["refused"])),
         # absent from an older server's status
         ("admin requests refused", by_reason(doc.get("admin_refused", {}))),
+        # absent from an older server's status: no row then
+        *([("connections refused", by_reason(doc["connections_refused"]))]
+          if "connections_refused" in doc else []),
         ("late reports", reports["late"]),
         ("dropouts", doc["dropouts"]),
         ("rounds closed / failed", f"{doc['rounds_closed']} / {doc['rounds_failed']}"),

@@ -223,3 +223,35 @@ def test_a_buffered_session_fills_its_buffer_on_the_page_as_in_the_api(server_fa
     finally:
         session.http.close()
     assert [e for e in errors if "401" not in e] == [], json.dumps(errors, indent=1)
+
+
+def test_refused_connections_are_shown_by_reason_as_in_the_api(server_factory, page):
+    # issue 36: a connection over its address's cap of unfinished headers is refused
+    # and counted; the page shows the refusals the overview's totals hold
+    import socket
+
+    from fedlang.deploy.server import serve
+
+    page, errors = page
+    # the browser's address (127.0.0.1, several connections at once) is not capped
+    server = server_factory(limits=serve.Limits(max_unfinished_per_address=1,
+                                                header_timeout=600),
+                            forwarded_allow_ips="127.0.0.1")
+    held = []
+    try:
+        for _ in range(3):  # one held with its headers unfinished, two refused
+            s = socket.socket()
+            s.bind(("127.0.0.2", 0))
+            s.connect(("127.0.0.1", server.port))
+            s.sendall(b"GET /v1/status HTTP/1.1\r\n")
+            held.append(s)
+        wait_for(lambda: _api(server, "/v1/admin/overview")["totals"]["connections_refused"]
+                 == {"unfinished_per_address": 2}, "the refusals counted", timeout=30)
+        _login(page, server)
+        row = wait_for(lambda: (r := _row(page, "kind", "connections")) and
+                       r["refused"] != "0" and r, "the refusals shown", timeout=30)
+        assert row["refused"] == "unfinished_per_address 2"
+    finally:
+        for s in held:
+            s.close()
+    assert [e for e in errors if "401" not in e] == [], json.dumps(errors, indent=1)

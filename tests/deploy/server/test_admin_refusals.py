@@ -7,6 +7,7 @@ from prometheus_client import parser
 
 from fedlang.deploy.store import metrics
 
+from ..conftest import wait_for
 from .conftest import bearer
 
 API = "/v1"
@@ -28,6 +29,8 @@ def test_refused_admin_requests_are_not_counted_as_refused_reports(server_factor
         assert http.get(f"{API}/admin/overview", headers=stranger).status_code == 401
     assert http.post(f"{API}/checkin", headers=bearer("no-such-client")).status_code == 401
 
+    # counted in memory, written within a second (telemetry.Refusals)
+    assert wait_for(lambda: http.get(f"{API}/status").json()["admin_refused"], "counted", 10)
     status = http.get(f"{API}/status").json()
     scraped = _samples(http.get("/metrics", headers=admin).text)
     http.close()

@@ -5,6 +5,7 @@ and counted, not logged (so strangers cannot fill the log). On SQLite and Postgr
 import httpx
 import pytest
 
+from ..conftest import wait_for
 from .conftest import bearer
 
 API = "/v1"
@@ -35,7 +36,8 @@ def test_admin_actions_are_audited(server):
     ]
     assert all(e["remote"].startswith("127.0.0.1:") for e in log)
     assert http.get(f"{API}/admin/audit", params={"after": 3}, headers=admin).json() == log[3:]
-    status = http.get(f"{API}/status").json()
+    assert wait_for(lambda: http.get(f"{API}/status").json()["admin_refused"], "counted", 10)
+    status = http.get(f"{API}/status").json()  # (written within a second)
     assert status["admin_refused"] == {"unauthorized": 3}  # not reports (issue 37, item 9)
     assert "admin_unauthorized" not in status["reports"]["refused"]
     assert http.get(f"{API}/admin/audit").status_code == 401

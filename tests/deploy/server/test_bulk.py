@@ -14,6 +14,7 @@ from fedlang.deploy.driver import admin as admin_lib
 from fedlang.deploy.store import bulk
 
 from ...cli._run import fedlang, one_sentence_error
+from ..conftest import wait_for
 from .conftest import bearer
 
 API = "/v1"
@@ -53,7 +54,8 @@ def test_each_bulk_credential_checks_in_and_the_cap_and_token_are_enforced(serve
                   headers=bearer("admin-token"))
     assert r.status_code == 404, r.text
     assert admin.populations()[0]["clients"] == 7
-    assert http.get(f"{API}/status").json()["admin_refused"] == {"unauthorized": 2}
+    assert wait_for(lambda: http.get(f"{API}/status").json()["admin_refused"]  # within 1 s
+                    == {"unauthorized": 2}, "the refusals counted", 10)
     audited = [(e["path"], e["status"]) for e in admin.audit_log()]
     assert audited.count((path, 201)) == 3 and (path, 422) in audited
     admin.close()

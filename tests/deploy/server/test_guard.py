@@ -108,9 +108,11 @@ def test_an_admin_json_body_over_the_limit_is_refused(server):
 
 
 def test_any_other_route_bounds_its_body_too(server):
+    # (issue 36) a route that takes no body, or no route, refuses a declared one at once
     for path in ["/v1/checkin", "/v1/no-such-route"]:
         status, answer = _raw(server, _post(path, HUGE), 8 << 20)
-        assert (status, answer["reason"]) == (413, "too_large")
+        assert (status, answer["reason"]) == (413, "body_not_allowed")
+        assert "takes none" in answer["detail"] and str(HUGE) in answer["detail"]
     assert httpx.get(f"{server.url}/v1/status").status_code == 200
 
 

@@ -11,6 +11,7 @@ from fedlang.deploy.client import connection
 from fedlang.deploy.server import ratelimit, serve
 
 from ...cli._run import fedlang, one_sentence_error
+from ..conftest import wait_for
 from .conftest import bearer
 
 API = "/v1"
@@ -106,3 +107,65 @@ def test_rate_limits_are_checked():
     assert serve.Limits(client_rate=0).rate("client") is None  # off
     one_sentence_error(fedlang("serve", "--db", ":memory:", "--enroll-rate", "-1"), 1,
                        "enroll_rate > 0")
+
+
+def test_an_address_guessing_the_admin_token_is_refused_before_its_token_is_read(
+        tmp_path, server_process):
+    # issue 36: admin-token guesses were not limited (1,500 at 410/s, each a database
+    # write); now, like enrollments, per address, on every route that takes the token
+    server = server_process(tmp_path / "server.db", extra_args=[
+        "--admin-rate", "0.5", "--admin-burst", "3"]).start()
+    guesser = httpx.Client(base_url=server.url, timeout=30,
+                           transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+    other = httpx.Client(base_url=server.url, timeout=30)  # 127.0.0.1
+    with guesser, other:
+        codes = [guesser.get(f"{API}/admin/overview", headers=bearer(f"guess-{i}")).status_code
+                 for i in range(3)]
+        assert codes == [401] * 3
+        limited = [guesser.get(path, headers=bearer(token)) for path, token in (
+            (f"{API}/admin/overview", "guess-3"),
+            (f"{API}/admin/overview", server.admin_token),  # the right one too
+            ("/metrics", "guess-4"), (f"{API}/status", "guess-5"),  # every route with it
+            (f"{API}/blobs/{'0' * 64}", "guess-6"))]
+        for r in limited:
+            assert (r.status_code, r.json()["reason"]) == (429, "rate_limited"), r.text
+        assert "wrong admin tokens" in limited[1].json()["detail"]
+        assert int(limited[1].headers["Retry-After"]) >= 1
+        # another address is not held back, and its token works
+        assert other.get(f"{API}/admin/overview", headers=bearer(server.admin_token)).status_code == 200
+        assert other.get(f"{API}/status").status_code == 200  # no token, no guess
+        # counted as admin refusals by reason (within a second: telemetry.Refusals)
+        assert wait_for(lambda: other.get(f"{API}/status").json()["admin_refused"]
+                        == {"unauthorized": 3, "rate_limited": 2}, "the refusals counted", 10)
+        time.sleep(int(limited[1].headers["Retry-After"]))
+        r = guesser.get(f"{API}/admin/overview", headers=bearer(server.admin_token))
+        assert r.status_code == 200, r.text
+
+
+def test_a_flood_of_admin_guesses_costs_the_database_a_write_a_second(server):
+    # the default limit (20 at once, then 1 a second): 200 guesses from one address
+    with httpx.Client(base_url=server.url, timeout=30,
+                      transport=httpx.HTTPTransport(local_address="127.0.0.2")) as http:
+        before = _db_writes(http, server.admin_token)
+        start = time.monotonic()
+        codes = [http.post(f"{API}/admin/populations", json={"name": "x"},
+                           headers=bearer("guess")).status_code for _ in range(200)]
+        took = time.monotonic() - start
+        assert codes.count(401) <= 20 + took + 1 and codes.count(429) >= 150, codes
+        assert wait_for(lambda: sum(http.get(f"{API}/status").json()["admin_refused"].values())
+                        == 200, "every guess counted", 10)
+        writes = _db_writes(http, server.admin_token) - before
+    assert writes <= took + 4, (writes, took)  # not one each
+    assert serve.Limits(admin_rate=0).rate("admin") is None  # --admin-rate 0: off
+
+
+def _db_writes(http, admin_token):
+    """Write transactions the server made so far (its `/metrics` histogram)."""
+    from prometheus_client import parser
+
+    text = httpx.get(str(http.base_url.join("/metrics")), headers=bearer(admin_token),
+                     timeout=30).text
+    return sum(s.value for family in parser.text_string_to_metric_families(text)
+               for s in family.samples
+               if s.name == "fedlang_db_transaction_seconds_count"
+               and s.labels.get("kind") == "write")

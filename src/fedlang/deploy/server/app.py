@@ -44,10 +44,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(
-    server: state_lib.ServerState, tick: float = 1.0, body_timeout: float = 30.0
+    server: state_lib.ServerState, tick: float = 1.0, body_timeout: float = 30.0,
+    body_min_rate: float = 0.0, body_rate_window: float = 10.0,
 ) -> fastapi.FastAPI:
     """The FastAPI application of `server`; `tick` is how often deadlines are checked,
-    `body_timeout` how long a request's body may stall (`guard.Guard`)."""
+    `body_timeout` how long a request's body may stall, `body_min_rate` the bytes/s it
+    must arrive at over every `body_rate_window` seconds (`guard.Guard`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: fastapi.FastAPI) -> AsyncIterator[None]:
@@ -92,8 +94,14 @@ def create_app(
         app.include_router(router)
     binary = [
         r for router in ROUTERS for r in router.routes
-        if isinstance(r, fastapi.routing.APIRoute) and r.openapi_extra == routing.BINARY_BODY
+        if isinstance(r, fastapi.routing.APIRoute)
+        and (r.openapi_extra or {}).get("requestBody") == routing.BINARY_BODY["requestBody"]
     ]
-    app.add_middleware(guard.Guard, server=server, binary=binary, body_timeout=body_timeout)
+    bodied = [  # the routes with a JSON body (every other route takes none)
+        r for router in ROUTERS for r in router.routes
+        if isinstance(r, fastapi.routing.APIRoute) and r.body_field is not None
+    ]
+    app.add_middleware(guard.Guard, server=server, binary=binary, body_timeout=body_timeout,
+                       body_rate=(body_min_rate, body_rate_window), bodied=bodied)
     app.add_middleware(telemetry.Observe, telemetry=server.telemetry)  # outermost: request ids
     return app

@@ -15,6 +15,7 @@ from typing import Annotated, TypeVar
 
 import fastapi
 from fastapi import security
+from starlette.types import Scope
 
 from fedlang.deploy import protocol
 from fedlang.deploy.server import state as state_lib
@@ -22,8 +23,35 @@ from fedlang.deploy.store import edges as edges_lib
 from fedlang.deploy.store import store as store_lib
 
 T = TypeVar("T")
-_bearer = security.HTTPBearer(auto_error=False, description="A bearer token.")
-Bearer = Annotated[security.HTTPAuthorizationCredentials | None, fastapi.Depends(_bearer)]
+
+
+class Credentials(security.HTTPAuthorizationCredentials):
+    """A request's bearer token, and the address it came from (the admin token's
+    per-address limit counts wrong tokens by it)."""
+
+    address: str = ""
+
+
+class _Bearer(security.HTTPBearer):
+    """FastAPI's bearer scheme (in the OpenAPI schema as such), keeping the address."""
+
+    async def __call__(self, request: fastapi.Request) -> Credentials | None:  # type: ignore[override]
+        found = await super().__call__(request)
+        if found is None:
+            return None
+        return Credentials(scheme=found.scheme, credentials=found.credentials,
+                           address=address(request.scope))
+
+
+_bearer = _Bearer(auto_error=False, description="A bearer token.")
+Bearer = Annotated[Credentials | None, fastapi.Depends(_bearer)]
+
+
+def address(scope: Scope) -> str:
+    """The address a request came from (behind a trusted proxy, the one the proxy
+    names: uvicorn's `--forwarded-allow-ips`); "" when unknown."""
+    client = scope.get("client")
+    return str(client[0]) if client else ""
 
 
 def token(auth: security.HTTPAuthorizationCredentials | None, what: str) -> str:
@@ -44,8 +72,10 @@ def admin(server: state_lib.ServerState, auth: security.HTTPAuthorizationCredent
 
     Raises:
       Unauthorized: no token, or another one.
+      RateLimited: the request's address sent wrong admin tokens too often.
     """
-    _check_admin(server, token(auth, "the server's admin token"))
+    _check_admin(server, token(auth, "the server's admin token"),
+                 auth.address if isinstance(auth, Credentials) else "")
 
 
 def is_admin(
@@ -59,12 +89,13 @@ def is_admin(
     return True
 
 
-def admin_header(server: state_lib.ServerState, authorization: str | None) -> None:
-    """`admin` for a raw `Authorization` header, read before the request's body
-    (`guard.Guard`).
+def admin_header(server: state_lib.ServerState, authorization: str | None, remote: str) -> None:
+    """`admin` for a raw `Authorization` header from address `remote`, read before the
+    request's body (`guard.Guard`).
 
     Raises:
       Unauthorized: no bearer token, or another one.
+      RateLimited: `remote` sent wrong admin tokens too often.
     """
     scheme, _, credentials = (authorization or "").partition(" ")
     given = credentials.strip() if scheme.lower() == "bearer" else ""
@@ -73,11 +104,21 @@ def admin_header(server: state_lib.ServerState, authorization: str | None) -> No
             "Expected an 'Authorization: Bearer ...' header with the server's admin token, "
             "found none."
         )
-    _check_admin(server, given)
+    _check_admin(server, given, remote)
 
 
-def _check_admin(server: state_lib.ServerState, given: str) -> None:
+def _check_admin(server: state_lib.ServerState, given: str, remote: str) -> None:
+    """The one comparison with the admin token, for every route that takes it: an
+    address out of wrong guesses (`ServerState.admin_buckets`) is refused before its
+    token is looked at, and a wrong token takes one guess."""
+    buckets = server.admin_buckets
+    if buckets is not None:
+        seconds = buckets.wait(remote)
+        if seconds > 0:
+            raise buckets.refuse(remote, seconds)
     if not secrets.compare_digest(store_lib.secret_hash(given), server.admin_token_hash):
+        if buckets is not None:
+            buckets.take(remote)
         raise protocol.Unauthorized(
             "Expected the server's admin token, found another token; it is printed when "
             "the server starts (or set with --admin-token)."

@@ -231,6 +231,10 @@ class StatusOut(pydantic.BaseModel):
     admin_refused: dict[str, int] = pydantic.Field(
         default_factory=dict, description="Requests for admin routes refused, by reason "
         "(`unauthorized`: without the admin token); not counted in `reports`.")
+    connections_refused: dict[str, int] = pydantic.Field(
+        default_factory=dict, description="Connections closed and requests cut by a "
+        "connection budget, by limit (`connections_per_address`, `unfinished_per_address`, "
+        "`header_timeout`, `body_stall`, `body_rate`, `body_not_allowed`; within a second).")
     sessions: list[SessionStatus] = pydantic.Field(
         default_factory=list, description="The latest buffered (FedBuff) sessions, newest first."
     )

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import ipaddress
 import json
 import math
 import os
@@ -164,6 +165,9 @@ class Limits:
         clients wait out); 0 turns the limit off.
       enroll_rate, enroll_burst: failed enrollments per second one address may make on
         average, and at once (then 429, even with a good token); 0 turns it off.
+      admin_rate, admin_burst: requests with a wrong admin token per second one address
+        may make on average, and at once (then 429, even with the right token, before
+        the token is compared); 0 turns it off (`--admin-rate`, `--admin-burst`).
       max_blob_bytes: the largest blob (a plan, a broadcast value) the admin may upload
         (`--max-blob-bytes`; more get 413 before the body is read).
       max_report_bytes: the largest upload of any kind (a report, an edge's partial
@@ -174,6 +178,21 @@ class Limits:
         (a large model's) takes its reports as they arrive: each is checked as it
         passes and written to storage in chunks, then folded when the round closes, a
         slice at a time; no process holds it (`--stream-report-bytes`).
+      max_connections_per_address: connections one address may hold open at once
+        (`--max-connections-per-address`); one more is answered 503 and closed at once,
+        so a single address cannot take the `max_connections` others need. 0: no cap.
+      max_unfinished_per_address: connections of one address whose request headers have
+        not ended (`--max-unfinished-per-address`; a new connection's have not): one
+        more is answered 503 and closed at once (a slowloris from one address holds at
+        most this many). 0: no cap. Neither cap applies to the trusted proxies
+        (`Server(forwarded_allow_ips=...)`), which cap their clients themselves.
+      body_min_rate, body_rate_window: a request's body must arrive at `body_min_rate`
+        bytes/s or more, over every `body_rate_window` seconds of waiting for it (once
+        it has been awaited that long); a slower one is answered 408 and its connection
+        closed (`guard.Guard`), so a trickle holds a connection for `body_rate_window`
+        seconds, not for as long as its body takes. Time the server spends on the body
+        itself does not count against the client. `body_min_rate` 0: no minimum rate
+        (`--body-min-rate`, `--body-rate-window`).
     """
 
     header_timeout: float = 10.0
@@ -187,23 +206,33 @@ class Limits:
     max_blob_bytes: int = 1 << 30
     max_report_bytes: int = 1 << 30
     stream_report_bytes: int = 64 << 20
+    max_connections_per_address: int = 100
+    max_unfinished_per_address: int = 10
+    body_min_rate: float = 1024.0
+    body_rate_window: float = 10.0
+    admin_rate: float = 1.0
+    admin_burst: int = 20
 
     def __post_init__(self) -> None:
         for name in ("max_blob_bytes", "max_report_bytes"):
             if getattr(self, name) < 1 << 16:
                 raise ValueError(f"Expected {name} >= 64 KiB, found {getattr(self, name)} bytes.")
-        for name in ("header_timeout", "body_timeout", "keep_alive"):
+        for name in ("header_timeout", "body_timeout", "keep_alive", "body_rate_window"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Expected {name} > 0 seconds, found {getattr(self, name)}.")
         if self.stream_report_bytes < 0:
             raise ValueError(f"Expected stream_report_bytes >= 0, found {self.stream_report_bytes}.")
         if self.max_connections < 1:
             raise ValueError(f"Expected max_connections >= 1, found {self.max_connections}.")
-        self.rate("client")
-        self.rate("enroll")
+        for name in ("max_connections_per_address", "max_unfinished_per_address",
+                     "body_min_rate"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"Expected {name} >= 0 (0: no limit), found {getattr(self, name)}.")
+        for which in ("client", "enroll", "admin"):
+            self.rate(which)
 
     def rate(self, which: str) -> ratelimit.Rate | None:
-        """The `client` or `enroll` rate limit (None when its rate is 0: off)."""
+        """The `client`, `enroll` or `admin` rate limit (None when its rate is 0: off)."""
         rate, burst = getattr(self, f"{which}_rate"), getattr(self, f"{which}_burst")
         if rate == 0:
             return None
@@ -214,17 +243,129 @@ class Limits:
                              f"found {rate:g} and {burst}.") from e
 
 
+class ConnectionBudget:
+    """What each remote address may hold of one server process: its open connections,
+    and those whose request headers have not ended (`Limits.max_connections_per_address`,
+    `Limits.max_unfinished_per_address`), counted as connections open and close
+    (`HeaderTimeout`, on the event loop: no lock). The trusted proxies
+    (`forwarded_allow_ips`: addresses or networks, comma-separated; `*` for any) are not
+    capped: every client behind a proxy has its address, and the proxy caps each client
+    itself (nginx's `limit_conn`). A refusal is counted by reason
+    (`telemetry.Refusals`)."""
+
+    def __init__(self, limits: Limits, refusals: telemetry.Refusals,
+                 forwarded_allow_ips: str = "") -> None:
+        self.max_open = limits.max_connections_per_address
+        self.max_unfinished = limits.max_unfinished_per_address
+        self.refusals = refusals
+        self.open: dict[str, int] = {}
+        self.unfinished: dict[str, int] = {}
+        given = [part.strip() for part in forwarded_allow_ips.split(",") if part.strip()]
+        self._trust_all = "*" in given
+        self._trusted: list[Any] = []
+        for part in given:
+            with contextlib.suppress(ValueError):  # a host name or a socket path: not an address
+                self._trusted.append(ipaddress.ip_network(part, strict=False))
+
+    def exempt(self, address: str) -> bool:
+        """Whether `address` is a trusted proxy's (not capped)."""
+        if self._trust_all:
+            return True
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in network for network in self._trusted)
+
+    def admit(self, address: str) -> str | None:
+        """Counts a new connection of `address` (open, its headers unfinished); or the
+        reason it is refused, counting nothing."""
+        if self.max_open and self.open.get(address, 0) >= self.max_open:
+            return "connections_per_address"
+        if self.max_unfinished and self.unfinished.get(address, 0) >= self.max_unfinished:
+            return "unfinished_per_address"
+        self.open[address] = self.open.get(address, 0) + 1
+        self.unfinished[address] = self.unfinished.get(address, 0) + 1
+        return None
+
+    def begin_headers(self, address: str) -> bool:
+        """Counts a request's headers beginning on an open connection of `address`;
+        False (nothing counted) when the address has `max_unfinished` already."""
+        if self.max_unfinished and self.unfinished.get(address, 0) >= self.max_unfinished:
+            return False
+        self.unfinished[address] = self.unfinished.get(address, 0) + 1
+        return True
+
+    def end_headers(self, address: str) -> None:
+        _take(self.unfinished, address)
+
+    def close(self, address: str) -> None:
+        _take(self.open, address)
+
+    def detail(self, reason: str) -> str:
+        """What a refused connection is told."""
+        if reason == "connections_per_address":
+            return (f"Expected at most {self.max_open} open connections from one address, "
+                    "found that many open from yours; close some and retry, or ask the "
+                    "operator to raise --max-connections-per-address.")
+        return (f"Expected at most {self.max_unfinished} connections from one address whose "
+                "request headers have not ended, found that many from yours; finish their "
+                "headers and retry, or ask the operator to raise --max-unfinished-per-address.")
+
+
+def _take(counts: dict[str, int], address: str) -> None:
+    left = counts.get(address, 0) - 1
+    if left > 0:
+        counts[address] = left
+    else:  # an address with nothing open takes no memory
+        counts.pop(address, None)
+
+
+def _answer_and_close(transport: Any, status: bytes, detail: str, reason: str) -> None:
+    """Writes a short JSON answer (`HTTP/1.1 STATUS`) and closes the connection."""
+    body = json.dumps({"detail": detail, "reason": reason}).encode()
+    transport.write(
+        b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body)
+    )
+    transport.close()
+
+
 class HeaderTimeout(h11_impl.H11Protocol):
     """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers do not
     end within `header_timeout` seconds (uvicorn bounds only the idle time between
-    requests): with a 408 when no request is in progress on it."""
+    requests): with a 408 when no request is in progress on it. With a `budget`
+    (`ConnectionBudget`), a connection over its address's caps is answered 503 and
+    closed as soon as it is made (or as soon as a new request begins on it), before
+    uvicorn takes it: it never counts against `max_connections`."""
 
     header_timeout = 10.0  # set per server by `Server` (a subclass each)
+    budget: ConnectionBudget | None = None  # likewise
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-        super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._address: str | None = None  # the address counted by the budget
+        self._unfinished = False  # counted as a connection whose headers have not ended
+        self._refused = False
+        budget = self.budget
+        if budget is not None:
+            peer = transport.get_extra_info("peername")
+            address = peer[0] if isinstance(peer, tuple | list) and peer else None
+            if isinstance(address, str) and not budget.exempt(address):
+                reason = budget.admit(address)
+                if reason is not None:
+                    self._refuse(transport, reason)
+                    return
+                self._address, self._unfinished = address, True
+        super().connection_made(transport)
         self._arm()
+
+    def _refuse(self, transport: Any, reason: str) -> None:
+        assert self.budget is not None
+        self._refused = True
+        self.budget.refusals.note(reason, self.loop)
+        _answer_and_close(transport, b"503 Service Unavailable", self.budget.detail(reason),
+                          reason)
 
     def _arm(self) -> None:
         if self._header_timer is None:
@@ -235,33 +376,53 @@ class HeaderTimeout(h11_impl.H11Protocol):
             self._header_timer.cancel()
             self._header_timer = None
 
+    def _headers_ended(self) -> None:
+        self._disarm()
+        if self._unfinished and self.budget is not None and self._address is not None:
+            self.budget.end_headers(self._address)
+        self._unfinished = False
+
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         idle = self.cycle is None or self.cycle.response_complete
         if idle:  # bytes of a new request: its headers must end in time
+            if not self._unfinished and self._address is not None:
+                assert self.budget is not None
+                if not self.budget.begin_headers(self._address):
+                    self.budget.refusals.note("unfinished_per_address", self.loop)
+                    self._disarm()
+                    _answer_and_close(self.transport, b"503 Service Unavailable",
+                                      self.budget.detail("unfinished_per_address"),
+                                      "unfinished_per_address")
+                    return
+                self._unfinished = True
             self._arm()
         before = self.cycle
         super().data_received(data)
         if self.cycle is not before:  # the headers ended: a request began
-            self._disarm()
+            self._headers_ended()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        if self._refused:  # uvicorn never took it
+            return
+        self._headers_ended()
+        if self._address is not None and self.budget is not None:
+            self.budget.close(self._address)
+            self._address = None
         super().connection_lost(exc)
 
     def _too_slow(self) -> None:
         self._header_timer = None
         if self.transport.is_closing():
             return
+        if self.budget is not None:
+            self.budget.refusals.note("header_timeout", self.loop)
         if self.cycle is None or self.cycle.response_complete:
-            body = json.dumps({
-                "detail": f"Expected the request's headers within {self.header_timeout:g} s, "
-                          "found them unfinished; send the request again.",
-                "reason": "timeout",
-            }).encode()
-            self.transport.write(
-                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-            )
+            _answer_and_close(
+                self.transport, b"408 Request Timeout",
+                f"Expected the request's headers within {self.header_timeout:g} s, found "
+                "them unfinished; send the request again.", "timeout")
         self.transport.close()
 
 
@@ -320,6 +481,11 @@ class Server:
         any free port; see `metrics_url`), for a Prometheus on the same machine.
       sock: serve this bound, listening socket instead of binding `host`:`port` (a worker
         of `fedlang serve --workers N`, `workers.Workers`, serves its parent's socket).
+      forwarded_allow_ips: the proxies whose `X-Forwarded-For` and `X-Forwarded-Proto`
+        are believed (comma-separated addresses or networks, `*` for any; uvicorn's):
+        a request from one of them has the address the header names as its client's
+        (what the per-address limits count). Empty: none (the connection's address).
+        By default loopback, as uvicorn's, for a proxy on the same machine.
 
     Example:
       >>> with Server(db="/tmp/fl.db", port=0) as server:  # doctest: +SKIP
@@ -349,6 +515,7 @@ class Server:
         log_format: str | None = None,
         metrics_port: int | None = None,
         sock: socket.socket | None = None,
+        forwarded_allow_ips: str = "127.0.0.1,::1",
     ):
         self._metrics: Any = None  # the loopback /metrics server (`metrics_port`)
         self._held = hold_database(db)  # first: before anything reads the database
@@ -369,9 +536,11 @@ class Server:
                 limits.max_blob_bytes, limits.rate("client"), limits.rate("enroll"),
                 max_report_bytes=limits.max_report_bytes,
                 stream_report_bytes=limits.stream_report_bytes,
+                admin_rate=limits.rate("admin"),
             )
             self.public_key = self.app_state.public_key
-            self.app = app_lib.create_app(self.app_state, tick, limits.body_timeout)
+            self.app = app_lib.create_app(self.app_state, tick, limits.body_timeout,
+                                          limits.body_min_rate, limits.body_rate_window)
             if browser or demo_page:
                 from fedlang.deploy.browser import routes
 
@@ -380,8 +549,10 @@ class Server:
                 from fedlang.deploy.server import dashboard as dashboard_lib
 
                 dashboard_lib.mount(self.app)
+            budget = ConnectionBudget(limits, self.app_state.telemetry.connections,
+                                      forwarded_allow_ips)
             protocol = type("HeaderTimeout", (HeaderTimeout,),
-                            {"header_timeout": limits.header_timeout})
+                            {"header_timeout": limits.header_timeout, "budget": budget})
             logging_config: dict[str, Any] | None = uvicorn.config.LOGGING_CONFIG
             if log_format is not None:
                 telemetry.configure_logging(log_format, log_level)
@@ -392,6 +563,8 @@ class Server:
                 ssl_certfile=ssl_certfile, timeout_graceful_shutdown=5, http=protocol,
                 timeout_keep_alive=max(1, math.ceil(limits.keep_alive)),
                 limit_concurrency=limits.max_connections,
+                proxy_headers=bool(forwarded_allow_ips.strip()),
+                forwarded_allow_ips=forwarded_allow_ips.strip() or None,
             )
             self._uvicorn = uvicorn.Server(self._config)
             self._thread: threading.Thread | None = None
@@ -460,6 +633,10 @@ class Server:
             self._sock.close()
         self._close_metrics()
         self.app_state.close()
+        for refusals in (self.app_state.telemetry.connections,
+                         self.app_state.telemetry.admin_refusals):
+            with contextlib.suppress(Exception):  # the refusals of the last second
+                refusals.flush()
         self.store.close()
         self._release()
 

@@ -33,6 +33,7 @@ class ServerState:
       max_blob_bytes: the largest blob the admin may upload (`--max-blob-bytes`).
       client_rate: each enrolled client's rate limit (`ratelimit`; None: none).
       enroll_rate: each address's limit on failed enrollments (None: none).
+      admin_rate: each address's limit on requests with a wrong admin token (None: none).
       max_report_bytes: the largest upload of any kind (`--max-report-bytes`).
       stream_report_bytes: reports of a plan that lets them hold more are taken as they
         arrive and stored (`--stream-report-bytes`; `intake`).
@@ -49,6 +50,7 @@ class ServerState:
         enroll_rate: ratelimit.Rate | None = None,
         max_report_bytes: int = 1 << 30,
         stream_report_bytes: int = 64 << 20,
+        admin_rate: ratelimit.Rate | None = None,
     ):
         self.store = store
         self.key = key
@@ -70,6 +72,8 @@ class ServerState:
             client_rate, "client")
         self.enroll_buckets = None if enroll_rate is None else ratelimit.Buckets(
             enroll_rate, "address")
+        self.admin_buckets = None if admin_rate is None else ratelimit.Buckets(
+            admin_rate, "address sending wrong admin tokens")
 
     def close(self) -> None:
         """Commits the reports waiting for the writer, and stops it."""
@@ -112,4 +116,5 @@ def totals(counters: dict[str, int]) -> dict[str, Any]:
         "rounds_closed": counters.get("rounds:closed", 0),
         "rounds_failed": counters.get("rounds:failed", 0),
         "admin_refused": admin_refused,
+        "connections_refused": metrics_lib.connection_refusals(counters),
     }

@@ -7,7 +7,8 @@ process (tests) keep their numbers apart. Two kinds of metrics are in it:
 
 * the task store's counters, read from the database at each scrape (`StoreCollector`):
   check-ins, assignments, enrollments, reports accepted and refused by reason, admin
-  requests refused by reason, dropouts, rounds ended, and a histogram of the ended
+  requests refused by reason, connections refused by a connection budget by reason
+  (`Refusals`: counted in memory, written within a second), dropouts, rounds ended, and a histogram of the ended
   rounds' durations. They are the numbers `GET /v1/status` shows, the same for every
   server process sharing a database;
 * this process's own: the latency of its database transactions (`Store.on_transaction`)
@@ -26,7 +27,9 @@ level INFO). `configure_logging` makes the log human-readable or one JSON object
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import contextlib
 import contextvars
 import datetime
 import json
@@ -58,6 +61,7 @@ LEVELS = ("debug", "info", "warning", "error", "critical")
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 requests_log = logging.getLogger("fedlang.deploy.server.requests")
+log = logging.getLogger(__name__)
 
 # The store's counters as Prometheus counters: (counter, metric name, help).
 _COUNTERS = (
@@ -99,6 +103,12 @@ class StoreCollector(prometheus_registry.Collector):
             "fedlang_admin_requests_refused",
             "Requests for admin routes refused, by reason (unauthorized: without the admin token).",
             admin)
+        yield _by_reason(
+            "fedlang_connections_refused",
+            "Connections closed and requests cut by a connection budget, by limit "
+            "(connections_per_address, unfinished_per_address, header_timeout, body_stall, "
+            "body_rate, body_not_allowed).",
+            metrics_lib.connection_refusals(counters))
         ended = prometheus_core.CounterMetricFamily(
             "fedlang_rounds_ended", "Rounds ended, by state (closed, failed).", labels=["state"]
         )
@@ -164,6 +174,67 @@ class Rates:
         return out
 
 
+class Refusals:
+    """Refusals that a stranger can make by the thousand, by reason: connections and
+    requests refused by a connection budget (`serve.Limits`; the counters
+    `connections_refused:REASON`) or admin requests refused (`admin_refused:REASON`).
+    Counted in memory as they happen (on the event loop, in `note`) and added to the
+    store's counters (`prefix` + reason) at most `delay` seconds later, in one
+    transaction: a flood of them costs the database one write a second, not one each.
+    Thread-safe."""
+
+    def __init__(self, store: store_lib.Store, prefix: str, delay: float = 1.0):
+        self.store, self.prefix, self.delay = store, prefix, delay
+        self._counts: dict[str, int] = {}
+        self._scheduled = False
+        self._lock = threading.Lock()
+
+    def note(self, reason: str, loop: asyncio.AbstractEventLoop) -> None:
+        """Counts one refusal; the count reaches the store within `delay` seconds (a
+        flush on `loop`'s thread pool)."""
+        with self._lock:
+            self._counts[reason] = self._counts.get(reason, 0) + 1
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._schedule(loop)
+
+    def pending(self) -> dict[str, int]:
+        """What `flush` would write now."""
+        with self._lock:
+            return dict(self._counts)
+
+    def flush(self) -> None:
+        """Adds the refusals counted so far to the store's counters (kept for the next
+        flush if the database fails)."""
+        with self._lock:
+            counts, self._counts, self._scheduled = self._counts, {}, False
+        if not counts:
+            return
+        try:
+            metrics_lib.count_refusals(self.store, self.prefix, counts)
+        except BaseException:
+            with self._lock:
+                for reason, n in counts.items():
+                    self._counts[reason] = self._counts.get(reason, 0) + n
+            raise
+
+    def _flush_quietly(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            self.flush()
+        except Exception as e:  # a database hiccup: try again later (the store closed: not)
+            log.warning("Could not count %sREASON yet (%s); trying again.", self.prefix, e)
+            with self._lock:
+                if self._scheduled or not self._counts:
+                    return
+                self._scheduled = True
+            with contextlib.suppress(RuntimeError):  # the loop closed: the server stopped
+                loop.call_soon_threadsafe(self._schedule, loop)
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.call_later(self.delay, lambda: loop.run_in_executor(None, self._flush_quietly, loop))
+
+
 class Telemetry:
     """One server's Prometheus registry and rates (see the module docstring)."""
 
@@ -181,6 +252,9 @@ class Telemetry:
             buckets=SIZE_BUCKETS, registry=self.registry,
         )
         self.rates = Rates()
+        # refused by a connection budget, and admin requests refused
+        self.connections = Refusals(store, metrics_lib.CONNECTIONS_REFUSED)
+        self.admin_refusals = Refusals(store, metrics_lib.ADMIN_REFUSED)
         store.on_transaction = self._transaction
 
     def _transaction(self, write: bool, seconds: float) -> None:

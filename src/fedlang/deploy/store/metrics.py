@@ -12,7 +12,7 @@ Refusals are counted globally (`counters`, `refused:REASON`); `task_refusals` al
 counts them per task (`round:ID`, `session:ID`) and reason (`Store.count_refusal`), for
 the overview's rounds. Refused admin requests (a request for an admin route without
 the admin token) are no report and no client's: they are counted apart
-(`admin_refused:REASON`, `count_admin_refusal`), and `refusal_counts` splits the counters
+(`admin_refused:REASON`, counted through `count_refusals`), and `refusal_counts` splits the counters
 into the two.
 """
 
@@ -150,14 +150,12 @@ def refusals(store: store_lib.Store, tasks: Iterable[str]) -> dict[str, dict[str
 
 REFUSED = "refused:"  # a refused upload or client request, by reason
 ADMIN_REFUSED = "admin_refused:"  # a refused admin request, by reason
+# A connection closed, or a request cut, by a connection budget (`serve.Limits`): by the
+# limit that did it (`connections_per_address`, `unfinished_per_address`,
+# `header_timeout`, `body_stall`, `body_rate`, `body_not_allowed`).
+CONNECTIONS_REFUSED = "connections_refused:"
 # What an older server counted as `refused:admin_unauthorized`.
 _LEGACY_ADMIN = {"admin_unauthorized": "unauthorized"}
-
-
-def count_admin_refusal(store: store_lib.Store, reason: str) -> None:
-    """Counts a refused admin request (`admin_refused:REASON`, e.g. `unauthorized`)."""
-    with store.transaction(write=True) as tx:
-        tx.count(f"{ADMIN_REFUSED}{reason}")
 
 
 def refusal_counts(counters: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
@@ -183,6 +181,27 @@ def refusal_counts(counters: Mapping[str, int]) -> tuple[dict[str, int], dict[st
             else:
                 refused[reason] = int(value)
     return refused, admin
+
+
+def count_refusals(store: store_lib.Store, prefix: str, counts: Mapping[str, int]) -> None:
+    """Adds refusals by reason to the counters `PREFIX:REASON` (`CONNECTIONS_REFUSED`,
+    `ADMIN_REFUSED`), in one transaction (`telemetry.Refusals` gathers them for a second
+    first)."""
+    with store.transaction(write=True) as tx:
+        for reason, n in sorted(counts.items()):
+            tx.count(f"{prefix}{reason}", n)
+
+
+def connection_refusals(counters: Mapping[str, int]) -> dict[str, int]:
+    """The connections and requests a connection budget refused, by reason, from the
+    store's `counters`.
+
+    Example:
+      >>> connection_refusals({"connections_refused:body_rate": 2, "refused:late": 1})
+      {'body_rate': 2}
+    """
+    return {key.removeprefix(CONNECTIONS_REFUSED): int(value)
+            for key, value in sorted(counters.items()) if key.startswith(CONNECTIONS_REFUSED)}
 
 
 def seen_since(store: store_lib.Store, since: float) -> dict[str, int]:

@@ -129,6 +129,20 @@ function showSessions(sessions) {
   }), 'No buffered sessions.');
 }
 
+function showRefusals(totals) {
+  // every refusal the server counted, by reason: reports and client requests, admin
+  // requests without the token, and connections a connection budget closed or cut
+  const kinds = [['reports and client requests', totals?.reports?.refused],
+                 ['admin requests', totals?.admin_refused],
+                 ['connections', totals?.connections_refused]];
+  fill('refusals', kinds.map(([what, byReason]) => {
+    const tr = document.createElement('tr');
+    tr.dataset.kind = what;
+    tr.append(cell(what, {field: 'kind'}), cell(refused(byReason), {field: 'refused'}));
+    return tr;
+  }), 'Nothing refused.');
+}
+
 function chart(key, container, options) {
   let c = dashboard.charts.get(key);
   if (c === undefined) {
@@ -242,6 +256,7 @@ async function refresh() {
   showPopulations(overview.populations ?? []);
   showRounds(overview.rounds ?? []);
   showSessions(overview.sessions ?? []);
+  showRefusals(overview.totals ?? {});
   showRates(overview.rates);
   for (const p of overview.populations ?? []) {
     const known = await loadMetrics(p.name);
