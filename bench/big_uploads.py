@@ -76,8 +76,10 @@ def _plan(size: int) -> tuple[Any, bytes]:
             raise StopIteration
 
     runner = Capture()
-    with contextlib.suppress(StopIteration), \
-            context.with_context(deploy.DeploymentContext(runner)):  # type: ignore[arg-type]
+    # the uploads fill the sum with i + 1, for upload i: declared as a user would
+    bounds = deploy.ReportBounds(ranges={"[0]": (0.0, 1e6)})
+    ctx = deploy.DeploymentContext(runner, bounds=bounds)  # type: ignore[arg-type]
+    with contextlib.suppress(StopIteration), context.with_context(ctx):
         vector_sum(deploy.client_data("train"))
     return runner.found
 
@@ -169,7 +171,9 @@ def run_one(size: int, db: str, args: argparse.Namespace, work: pathlib.Path) ->
                     try:
                         answers[i] = own.put(f"/v1/rounds/{round_id}/report",
                                              content=_report(report_layout, float(i + 1)),
-                                             headers=clients[i]).status_code
+                                             headers={**clients[i], "Fedlang-Task":
+                                                      f'{{"round":{round_id},"session":null,'
+                                                      '"version":null}'}).status_code
                     except Exception as e:  # reported in the row
                         answers[i] = f"{type(e).__name__}: {e}"
 

@@ -187,7 +187,8 @@ async def _throughput(url: str, plan: Any, broadcast: bytes, report: bytes, m: i
 
         async def upload(i: int) -> None:
             r = await h.put(f"/v1/rounds/{round_id}/report", content=report,
-                            headers={"Authorization": f"Bearer {creds[i]}"})
+                            headers={"Authorization": f"Bearer {creds[i]}",
+                                     **deploy.protocol.task_header({"round": round_id})})
             assert r.status_code == 200 and not r.json()["replay"], r.text
 
         start = time.perf_counter()
@@ -229,7 +230,8 @@ async def _round_latency(url: str, plan: Any, broadcast: bytes, report: bytes, n
             task = answer["task"]
             for blob in (task["plan"], task["broadcast"]):
                 (await h.get(f"/v1/blobs/{blob}", headers=auth)).raise_for_status()
-            r = await h.put(f"/v1/rounds/{task['round']}/report", content=report, headers=auth)
+            r = await h.put(f"/v1/rounds/{task['round']}/report", content=report,
+                            headers={**auth, **deploy.protocol.task_header(task)})
             r.raise_for_status()
 
         await gather(n, client)

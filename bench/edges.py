@@ -121,7 +121,7 @@ async def _clients(clients: list[tuple[str, str]], report: bytes) -> None:
                     break
                 await asyncio.sleep(answer["retry_after"])
             r = await h.put(f"/v1/rounds/{answer['task']['round']}/report", content=report,
-                            headers=auth)
+                            headers={**auth, **deploy.protocol.task_header(answer["task"])})
             assert r.status_code == 200 and not r.json()["replay"], r.text
 
         await deploy_bench.gather(len(clients), client)

@@ -104,8 +104,11 @@ async def _upload_all(targets: list[tuple[str, int, str, str]], body: bytes,
                     _, _, path, bearer = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
+                parts = path.split("/")  # /v1/rounds/{round}/report (or /echo)
+                task = parts[3] if len(parts) > 3 else "null"
                 head = (f"PUT {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
                         f"Authorization: Bearer {bearer}\r\n"
+                        f'Fedlang-Task: {{"round":{task},"session":null,"version":null}}\r\n'
                         "Content-Type: application/octet-stream\r\n"
                         f"Content-Length: {len(body)}\r\n\r\n").encode()
                 status = await _put(reader, writer, head, body)

@@ -51,7 +51,10 @@ class Operated:
     def __init__(self, server):
         self.server = server
         runner = _Capture()
-        with contextlib.suppress(_Captured), context.with_context(deploy.DeploymentContext(runner)):
+        # each client reports the sum of its one row of ones: declared as a user would
+        bounds = deploy.ReportBounds(ranges={"[0]": (-10.0, 10.0)})
+        ctx = deploy.DeploymentContext(runner, bounds=bounds)
+        with contextlib.suppress(_Captured), context.with_context(ctx):
             _vector_sum(deploy.client_data("train"))
         self.plan, self.broadcast = runner.plan, runner.broadcast
         self.admin = deploy.Admin(server.url, server.admin_token)
@@ -75,7 +78,7 @@ class Operated:
     def report(self, client, round_id):
         data = execution.run_plan(self.plan, self.broadcast, {"train": [np.ones(2, np.float32)]})
         return self.http.put(f"/v1/rounds/{round_id}/report", content=data,
-                             headers=self._bearer(client))
+                             headers={**self._bearer(client), "Fedlang-Task": f'{{"round":{round_id},"session":null,"version":null}}'})
 
 
 @pytest.fixture

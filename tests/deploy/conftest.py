@@ -23,6 +23,7 @@ import pytest
 import fedlang as fl
 from fedlang import deploy
 from fedlang.core import context
+from fedlang.deploy.plans import bounds as bounds_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -106,12 +107,23 @@ class _Captured(Exception):
     pass
 
 
-def capture(comp, *args):
-    """The (plan, broadcast bytes) of the first round `comp(*args)` runs on clients."""
+def capture(comp, *args, bounds=None):
+    """The (plan, broadcast bytes) of the first round `comp(*args)` runs on clients, its
+    reports bounded by `bounds` (default: what `BOUNDS` declares for `comp`, else the
+    drivers' default, `plans.bounds.DEFAULT`)."""
     runner = _Capture()
-    with contextlib.suppress(_Captured), context.with_context(deploy.DeploymentContext(runner)):
+    ctx = deploy.DeploymentContext(runner, bounds=bounds_of(comp, bounds))
+    with contextlib.suppress(_Captured), context.with_context(ctx):
         comp(*args)
     return runner.plan, runner.broadcast
+
+
+def bounds_of(comp, bounds=None):
+    """`bounds`, or the bounds this file declares for its computation `comp` (`BOUNDS`),
+    or the drivers' default."""
+    if bounds is not None:
+        return bounds
+    return BOUNDS.get(comp, bounds_lib.DEFAULT)
 
 
 @fl.jax_computation(fl.SequenceType(fl.TensorType(np.float32, [3])))
@@ -128,7 +140,7 @@ def vector_sum(data):
 @pytest.fixture(scope="session")
 def sum_round():
     """(plan, broadcast) of `vector_sum`: each client reports the sum of its float32[3] rows."""
-    return capture(vector_sum, deploy.client_data("train"))
+    return capture(vector_sum, deploy.client_data("train"))  # (its `BOUNDS`)
 
 
 @pytest.fixture
@@ -164,6 +176,7 @@ def run_driver(url, admin_token, result, computation, **options):
     """`computation(client_data("train"))` in a deployment context of population "pop" at
     `url`: its value in `result["value"]`, the rounds in `result["rounds"]`, or the error
     in `result["error"]`."""
+    options.setdefault("bounds", bounds_of(computation))
     ctx = deploy.deployment_context(url, admin_token, "pop", patience=120, backoff=(0.05, 0.5),
                                     **options)
     try:
@@ -269,6 +282,21 @@ def _batch_total(ds):
 def batch_sum(data):
     """The sum over clients of their rows of x (batches of float32[?,3], as from .npz files)."""
     return fl.federated_sum(fl.federated_map(_batch_total, data))
+
+
+# The bounds of these computations' reports, declared as a user declares those of a leaf
+# of their own (no bound is derivable for a sum of the user's floats or ints):
+BOUNDS = {
+    # `vector_sum`'s one leaf: the intake's tests send up to 3e38 (its overflow check) and
+    # NaN (its finiteness check) through it; their point is elsewhere, so any finite value
+    vector_sum: deploy.ReportBounds(unbounded=("[0]",)),
+    # the tests' rows of x are small (|x| < 1e3, a few hundred rows a client at most)
+    batch_sum: deploy.ReportBounds(ranges={"[0]": (-1e6, 1e6)}),
+    # the plain sum of the points' q = sum(n) and r = sum(n * [0, 1, 2]): the tests' clients
+    # hold a few points with |n| < 100
+    secure_and_plain: deploy.ReportBounds(ranges={"[2].q": (-10**4, 10**4),
+                                                  "[2].r": (-10**4, 10**4)}),
+}
 
 
 class Gated:
@@ -388,7 +416,8 @@ class Gate:
         if held and not await self._wait(int(match[1])):
             return responses.Response(status_code=503)
         headers = {k: v for k, v in request.headers.items()
-                   if k.lower() in ("authorization", "content-type", "if-none-match")}
+                   if k.lower() in ("authorization", "content-type", "if-none-match",
+                                    "fedlang-task")}
         try:
             async with httpx.AsyncClient(base_url=self.upstream, timeout=120) as h:
                 r = await h.request(request.method, request.url.path, params=request.query_params,

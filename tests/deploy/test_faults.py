@@ -66,8 +66,8 @@ def test_a_killed_server_restarts_and_counts_every_report_once(
             assert status["reports"]["accepted"] == n
             assert status["rounds"][0]["reports"] == n and status["rounds"][0]["state"] == "closed"
             task_round = status["rounds"][0]["id"]
-            report = h.put(f"/v1/rounds/{task_round}/report", content=b"x",
-                           headers={"Authorization": f"Bearer {replay.credential}"})
+            report = h.put(f"/v1/rounds/{task_round}/report", content=b"x", headers={
+                "Authorization": f"Bearer {replay.credential}", "Fedlang-Task": f'{{"round":{task_round},"session":null,"version":null}}'})
             assert report.status_code == 409  # not its report: refused, nothing counted
             assert h.get("/v1/status").json()["reports"]["accepted"] == n
         assert not any(errors)

@@ -43,6 +43,15 @@ def _computation(dtype):
     return three
 
 
+def _bounds(dtype):
+    """What `_computation(dtype)`'s reports hold, declared as a user would: a client sums
+    at most 5 of `_clients`' rows (integers within +-100, or 10 x normal draws)."""
+    ranges = {"[0]": (-1e4, 1e4)}
+    if np.dtype(dtype).kind != "i":
+        ranges.update({"[1].total": (-1e4, 1e4), "[1].count": (0, 1)})
+    return deploy.ReportBounds(ranges=ranges)
+
+
 def _clients(dtype, n=5):
     rng = np.random.default_rng(0)
     # within the default bounds (`ReportBounds`: a weighted total's norm <= 1e4 x weight)
@@ -74,7 +83,7 @@ def _x64(dtype):
 def test_a_report_holds_the_model_s_dtype_and_its_fold_is_the_simulation_s(dtype):
     with _x64(dtype):
         comp, clients = _computation(dtype), _clients(dtype)
-        plan, broadcast = capture(comp, deploy.client_data("train"))
+        plan, broadcast = capture(comp, deploy.client_data("train"), bounds=_bounds(dtype))
         folder = folding.Folder(plan)
         # the report's totals are in the model's dtype; counts and weights as before; the
         # aggregate stays wide (it sums many clients): float64, or int64 for integers
@@ -98,7 +107,8 @@ def test_a_report_holds_the_model_s_dtype_and_its_fold_is_the_simulation_s(dtype
         assert narrow == folder.serialize(before)
 
         # a deployment round equals the simulation runtime, one client per chunk, to the bit
-        ctx = deploy.DeploymentContext(deploy.LocalRounds({c: {"train": r} for c, r in clients.items()}))
+        ctx = deploy.DeploymentContext(deploy.LocalRounds({c: {"train": r} for c, r in clients.items()}),
+                                       bounds=_bounds(dtype))
         with context.with_context(ctx):
             got = comp(deploy.client_data("train"))
         with fl.runtime.simulation_context(chunk_size=1):
@@ -112,7 +122,7 @@ def test_a_report_holds_the_model_s_dtype_and_its_fold_is_the_simulation_s(dtype
 
 def test_a_float32_report_is_the_size_of_the_model_not_twice_it():
     comp = _computation(np.float32)
-    plan, broadcast = capture(comp, deploy.client_data("train"))
+    plan, broadcast = capture(comp, deploy.client_data("train"), bounds=_bounds(np.float32))
     folder = folding.Folder(plan)
     report = execution.run_plan(plan, broadcast, {"train": _clients(np.float32)["c0"]})
     model = 3 * N * 4  # the float32 totals of the sum, the mean and the weighted mean

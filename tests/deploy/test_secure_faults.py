@@ -93,6 +93,10 @@ class Driver:
 
     def __init__(self, server, **options):
         self.result = {}
+        # the plain sum of q = sum(n) and r = q * [1, 2, 3], each client's n a few values
+        # within [-20, 60): declared as a user would
+        options.setdefault("bounds", deploy.ReportBounds(ranges={"[2].q": (-10**4, 10**4),
+                                                                 "[2].r": (-10**4, 10**4)}))
         self.ctx = deploy.deployment_context(server.url, server.admin_token, "pop",
                                              patience=120, backoff=(0.05, 0.5), **options)
         self.thread = threading.Thread(target=self._run)

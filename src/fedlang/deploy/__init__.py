@@ -35,6 +35,7 @@ from fedlang.deploy.driver.context import RoundResult as RoundResult
 from fedlang.deploy.driver.context import client_data as client_data
 from fedlang.deploy.driver.context import client_state as client_state
 from fedlang.deploy.plans.bounds import ReportBounds as ReportBounds
+from fedlang.deploy.plans.bounds import UnboundedLeaf as UnboundedLeaf
 from fedlang.deploy.plans.compiler import DeploymentError as DeploymentError
 from fedlang.deploy.plans.folding import Folder as Folder
 from fedlang.deploy.plans.folding import ReportError as ReportError

@@ -60,6 +60,84 @@ def ticket_payload(task: Mapping[str, Any]) -> bytes:
                       separators=(",", ":")).encode()
 
 
+# Every upload names the task it was computed for in this header (`task_header`); the
+# intake refuses one computed for another task (409 `stale`) before reading its body.
+TASK_HEADER = "Fedlang-Task"
+TASK_FIELDS = ("round", "session", "version")
+
+
+def task_of(task: Mapping[str, Any]) -> dict[str, int | None]:
+    """The task an upload answers, as `TASK_HEADER` names it: its round, or its session
+    and (a client's report to a buffered session) the model version it trained; the
+    other fields None. A round's broadcast and a version's weights never change, so
+    these name them too.
+
+    Example:
+      >>> task_of({"round": 3, "kind": "aggregate", "plan": "ab12"})
+      {'round': 3, 'session': None, 'version': None}
+    """
+    return {k: task.get(k) for k in TASK_FIELDS}
+
+
+def task_header(task: Mapping[str, Any]) -> dict[str, str]:
+    """The header that binds an upload to the task it was computed for (`task_of`: a
+    check-in's task, or the same fields of an edge's root task), as canonical JSON.
+
+    Example:
+      >>> task_header({"session": 5, "version": 2})
+      {'Fedlang-Task': '{"round":null,"session":5,"version":2}'}
+    """
+    return {TASK_HEADER: json.dumps(task_of(task), sort_keys=True, separators=(",", ":"))}
+
+
+def read_task_header(value: str | None, expected: Mapping[str, int | None]) -> None:
+    """Checks that an upload's `TASK_HEADER` names the task it is uploaded to (`expected`,
+    `task_of` of the server's task), before its body is read.
+
+    Raises:
+      BadRequest: no header, or one that is not such JSON (reason `unbound`), saying
+        what to send.
+      Conflict: an upload computed for another task: another round, session or version
+        (reason `stale`).
+    """
+    if value is None:
+        raise BadRequest(f"Expected a header {TASK_HEADER} naming the task this upload was "
+                         f"computed for, found none; {_fix(expected)}.", reason="unbound")
+    try:
+        found = json.loads(value)
+    except ValueError:
+        found = None
+    if (not isinstance(found, dict)
+            or any(type(found.get(k)) not in (int, type(None)) for k in TASK_FIELDS)):
+        raise BadRequest(f"Expected the header {TASK_HEADER} to be a JSON object of integers "
+                         f"or nulls, found {value[:200]!r}; {_fix(expected)}.",
+                         reason="unbound")
+    if any(found.get(k) != expected.get(k) for k in TASK_FIELDS):
+        raise Conflict(
+            f"Expected an upload computed for {_named(expected)}, found one computed for "
+            f"{_named(task_of(found))} ({TASK_HEADER}); an upload answers only the task it "
+            "was computed for: check in for the current task and compute it anew.",
+            reason="stale")
+
+
+def _fix(expected: Mapping[str, int | None]) -> str:
+    """What to send instead (said in a refusal)."""
+    want = task_header(expected)[TASK_HEADER]
+    return (f"send the header {TASK_HEADER}: {want}, the round, session and version of the "
+            "task (the check-in's answer) the upload was computed for")
+
+
+def _named(task: Mapping[str, int | None]) -> str:
+    """A task in words: `round 3`, `version 2 of session 5`, `session 5`."""
+    if task.get("round") is not None and task.get("session") is None:
+        return f"round {task['round']}"
+    if task.get("session") is not None and task.get("round") is None:
+        version = task.get("version")
+        return (f"session {task['session']}" if version is None
+                else f"version {version} of session {task['session']}")
+    return json.dumps(dict(task), sort_keys=True, separators=(",", ":"))
+
+
 def blob_hash(data: bytes) -> str:
     """The name of a blob: the SHA-256 of its bytes, 64 lowercase hex digits."""
     return hashlib.sha256(data).hexdigest()

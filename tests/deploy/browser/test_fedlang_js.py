@@ -196,7 +196,8 @@ async ([population, token, x, y]) => {
   for (const [name, body] of Object.entries(uploads)) {
     try {
       await c.authorized('PUT', `/v1/rounds/${task.round}/report`,
-                         {body, headers: {'Content-Type': 'application/octet-stream'}});
+                         {body, headers: {'Content-Type': 'application/octet-stream',
+                                          ...m.taskHeader(task)}});
       refused[name] = 'accepted';
     } catch (e) {
       refused[name] = [e.status, e.reason];

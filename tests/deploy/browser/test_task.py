@@ -82,7 +82,11 @@ def every_aggregation(data):
 
 
 def test_each_kind_of_aggregation_is_pre_aggregated_as_python_does():
-    plan, broadcast = capture(every_aggregation, deploy.client_data("train"))
+    # the clients' rows are 0..14: declared as a user would (totals, counts, doubled totals)
+    bounds = deploy.ReportBounds(ranges={
+        "[0].total": (-1e3, 1e3), "[0].count": (0, 1), "[2].best": (0, 100),
+        "[3].best": (-1e3, 1e3), "[4]": (0, 100), "[5].value": (-1e4, 1e4)})
+    plan, broadcast = capture(every_aggregation, deploy.client_data("train"), bounds=bounds)
     description = task.compile_task(plan).description()
     kinds = [task.KINDS[a.uri] for a in plan.aggregations]
     assert kinds == ["mean", "weighted_mean", "extremum", "extremum", "sum", "aggregate"]

@@ -12,7 +12,7 @@ from fedlang.deploy import protocol
 from fedlang.deploy.client import connection
 from fedlang.deploy.client import data as data_lib
 
-from ..conftest import Gated, batch_sum
+from ..conftest import Gated, batch_sum, bounds_of
 
 FAST = {"backoff": (0.02, 0.2)}
 
@@ -35,7 +35,8 @@ def test_the_driver_loop_runs_rounds_on_clients(server_factory, client_threads):
         client_threads(deploy.Client(server.url, "pop", token, {"train": [{"x": rows(i)}]}, **FAST))
         for i in range(4)
     ]
-    ctx = deploy.deployment_context(server.url, server.admin_token, "pop", target=4, progress=True)
+    ctx = deploy.deployment_context(server.url, server.admin_token, "pop", target=4, progress=True,
+                                    bounds=bounds_of(batch_sum))
     with context.with_context(ctx):
         first = batch_sum(deploy.client_data("train"))
         second = batch_sum(deploy.client_data("train"))
@@ -55,7 +56,8 @@ def test_the_driver_loop_runs_rounds_on_clients(server_factory, client_threads):
 def test_a_round_below_its_quorum_fails_with_a_clear_error(server_factory):
     server = server_factory()
     _population(server)
-    ctx = deploy.deployment_context(server.url, server.admin_token, "pop", target=2, deadline=0.3)
+    ctx = deploy.deployment_context(server.url, server.admin_token, "pop", target=2, deadline=0.3,
+                                    bounds=bounds_of(batch_sum))
     with context.with_context(ctx), pytest.raises(deploy.RoundFailedError, match="0 of the 2 reports"):
         batch_sum(deploy.client_data("train"))
     ctx.runner.close()
@@ -116,7 +118,8 @@ def test_status_prints_a_table(server_factory, client_threads):
     gate = Gated(rows(1))
     gate.release.set()
     client_threads(deploy.Client(server.url, "pop", token, {"train": gate}, **FAST))
-    ctx = deploy.deployment_context(server.url, server.admin_token, "pop", target=1)
+    ctx = deploy.deployment_context(server.url, server.admin_token, "pop", target=1,
+                                    bounds=bounds_of(batch_sum))
     with context.with_context(ctx):
         batch_sum(deploy.client_data("train"))
     ctx.runner.close()

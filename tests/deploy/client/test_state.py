@@ -48,6 +48,9 @@ def _running_sums(data, states):
 
 
 running_sums = fl.with_client_state(_running_sums, _zero, parameter="states", result=1)
+# the round's sum of a client's rows (ones, or fives: a few rows a round), declared as a
+# user would
+BOUNDS = deploy.ReportBounds(ranges={"[0]": (-1e3, 1e3)})
 
 
 def test_states_are_replaced_whole_and_refused_for_another_type(tmp_path):
@@ -84,7 +87,7 @@ def test_a_state_is_committed_only_when_its_report_is_accepted(server_factory, c
 
     def drive():
         ctx = deploy.deployment_context(server.url, server.admin_token, "pop", target=1,
-                                        over_selection=1.0)
+                                        over_selection=1.0, bounds=BOUNDS)
         try:
             with context.with_context(ctx):
                 result["value"] = running_sums(deploy.client_data("train"),
@@ -137,7 +140,8 @@ def test_a_task_that_fails_leaves_the_state_as_it_was(server_factory, tmp_path):
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    ctx = deploy.deployment_context(server.url, server.admin_token, "pop", target=1, deadline=3)
+    ctx = deploy.deployment_context(server.url, server.admin_token, "pop", target=1, deadline=3,
+                                    bounds=BOUNDS)
     try:
         with context.with_context(ctx), pytest.raises(deploy.RoundFailedError):
             running_sums(deploy.client_data("train"), deploy.client_state("sums"))
@@ -159,7 +163,8 @@ def test_a_client_without_a_state_directory_refuses_a_stateful_task(server_facto
     client = deploy.Client(server.url, "pop", token, {"train": [{"x": np.ones((1, 3), np.float32)}]})
     from ..conftest import capture
 
-    plan, broadcast = capture(running_sums, deploy.client_data("train"), deploy.client_state("sums"))
+    plan, broadcast = capture(running_sums, deploy.client_data("train"), deploy.client_state("sums"),
+                              bounds=BOUNDS)
     with pytest.raises(state_lib.StateFileError, match="--state-dir"):
         client._run_parts(plan, broadcast)
     with pytest.raises(ValueError, match="run_plan_parts"):
@@ -216,7 +221,7 @@ def test_a_client_killed_before_its_report_is_acknowledged_keeps_its_old_state(
 
     def drive():
         ctx = deploy.deployment_context(server.url, server.admin_token, "pop", target=1,
-                                        patience=1, backoff=(0.05, 0.2))
+                                        patience=1, backoff=(0.05, 0.2), bounds=BOUNDS)
         try:
             with context.with_context(ctx):
                 running_sums(deploy.client_data("train"), deploy.client_state("sums"))

@@ -20,7 +20,7 @@ from ...learning.test_client_state_algorithms import (
     numpy_scaffold,
     scaffold,
 )
-from ..conftest import POINT, secure_and_plain
+from ..conftest import POINT, bounds_of, secure_and_plain
 
 SPEC = {"x": (np.float32, [None, 2]), "y": (np.int32, [None])}
 
@@ -104,10 +104,17 @@ def _summary(data, scale):
     }
 
 
+# What `_summary`'s reports hold, declared as a user would: sums of a few points' `a`
+# (|a| < 100) and the largest `n` (from -1000, a client without points)
+SUMMARY_BOUNDS = deploy.ReportBounds(ranges={
+    "[0]": (-100.0, 100.0), "[1].total": (-100.0, 100.0), "[1].count": (0, 1),
+    "[2].best": (-1000, 1000)})
+
+
 def test_one_round_serves_every_aggregation_of_a_wave():
     data = {f"c{i}": [[{"a": np.float32(i + k), "n": np.int32(k * i)} for k in range(3)]] for i in range(4)}
     local = {cid: {"d": batches[0]} for cid, batches in data.items()}
-    ctx = deploy.DeploymentContext(deploy.LocalRounds(local))
+    ctx = deploy.DeploymentContext(deploy.LocalRounds(local), bounds=SUMMARY_BOUNDS)
     with context.with_context(ctx):
         got = _summary(deploy.client_data("d"), np.float32(2.0))
     want = _summary([b[0] for b in data.values()], np.float32(2.0))
@@ -140,7 +147,7 @@ def test_sequence_operations_at_the_server_are_refused_before_running():
 
 
 def test_a_task_needing_data_the_client_lacks_says_which():
-    ctx = deploy.DeploymentContext(deploy.LocalRounds({"c": {"other": []}}))
+    ctx = deploy.DeploymentContext(deploy.LocalRounds({"c": {"other": []}}), bounds=SUMMARY_BOUNDS)
     with context.with_context(ctx), pytest.raises(KeyError, match="--data train=PATH"):
         _summary(deploy.client_data("train"), np.float32(1.0))
 
@@ -157,7 +164,8 @@ def test_secure_sums_on_clients_equal_the_simulation_exactly():
         f"c{i}": [{"a": np.float32(0), "n": np.int32(v)} for v in rng.integers(-40, 90, size=4)]
         for i in range(9)
     }
-    ctx = deploy.DeploymentContext(deploy.LocalRounds({c: {"d": b} for c, b in data.items()}))
+    ctx = deploy.DeploymentContext(deploy.LocalRounds({c: {"d": b} for c, b in data.items()}),
+                                   bounds=bounds_of(secure_and_plain))
     with context.with_context(ctx):
         got = secure_and_plain(deploy.client_data("d"))
     want = secure_and_plain(list(data.values()))
@@ -181,7 +189,7 @@ class _Recording:
 
 def test_plain_reports_of_a_secure_round_carry_no_secure_input():
     runner = _Recording({"c": {"d": [{"a": np.float32(0), "n": np.int32(5)}]}})
-    with context.with_context(deploy.DeploymentContext(runner)):
+    with context.with_context(deploy.DeploymentContext(runner, bounds=bounds_of(secure_and_plain))):
         secure_and_plain(deploy.client_data("d"))
     (plan,) = runner.plans
     assert plan.secure == (0, 1)
@@ -334,7 +342,8 @@ def test_secure_rounds_keep_each_survivor_s_new_state():
 
 def test_a_round_reading_states_whose_new_values_need_its_result_is_refused():
     runner = _Recording({"c": {}})
-    with context.with_context(deploy.DeploymentContext(runner)), \
+    bounds = deploy.ReportBounds(ranges={"[0]": (-100, 100)})  # the states: small counts
+    with context.with_context(deploy.DeploymentContext(runner, bounds=bounds)), \
             pytest.raises(deploy.DeploymentError, match="another round would write"):
         recentred(deploy.client_state("n"))
     assert runner.plans == [] and runner.local.states == {}  # refused before it started

@@ -16,7 +16,7 @@ from fedlang import deploy
 from fedlang.deploy import protocol
 from fedlang.deploy.store import edges as edges_store
 
-from ..conftest import capture, run_driver, secure_and_plain, wait_for
+from ..conftest import bounds_of, capture, run_driver, secure_and_plain, wait_for
 from .harness import RootAndEdges, local_round, status, two_edges
 
 
@@ -47,7 +47,8 @@ def _run(driver_url, admin_token, client_urls, client_threads, **options):
                                            patience=60, backoff=(0.05, 0.5)))
               for (url, token), batches in zip(client_urls, CLIENTS)]
     with deploy.deployment_context(driver_url, admin_token, "pop", target=len(CLIENTS),
-                                   deadline=60, patience=60, **options) as ctx:
+                                   deadline=60, patience=60, bounds=bounds_of(secure_and_plain),
+                                   **options) as ctx:
         value = secure_and_plain(deploy.client_data("train"))
     assert not any(errors), errors
     return value, ctx.rounds

@@ -160,7 +160,8 @@ def test_a_resent_batch_is_a_replay_and_each_report_reaches_the_root_once(
         assert (m.uploads, m.forwarded_through, m.sending_through) == (0, 0, 2)
         reports = edge.state.sessions.reports(m.local, 0)
         body = buffered_plan.encode_batch([(r.version, r.data) for r in reports])
-        headers = {"Authorization": f"Bearer {edge_token}", "Content-Type": protocol.BINARY}
+        headers = {"Authorization": f"Bearer {edge_token}", "Content-Type": protocol.BINARY,
+                   **protocol.task_header({"session": sid})}
         with httpx.Client(base_url=root.url, timeout=30, headers=headers) as h:
             first = h.put(f"/v1/edge/sessions/{sid}/batches/1", content=body)
             assert first.status_code == 200, first.text

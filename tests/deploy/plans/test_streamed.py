@@ -15,13 +15,14 @@ from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import execution, folding
 
 from ..conftest import capture
-from ..test_report_dtype import _clients, _computation
+from ..test_report_dtype import _bounds, _clients, _computation
 
 
 @pytest.fixture(scope="module")
 def rounds():
     """(folder, broadcast, plan, reports) of the sum, mean and weighted mean of float32[512]."""
-    plan, broadcast = capture(_computation(np.float32), deploy.client_data("train"))
+    plan, broadcast = capture(_computation(np.float32), deploy.client_data("train"),
+                              bounds=_bounds(np.float32))
     reports = [execution.run_plan(plan, broadcast, {"train": rows})
                for rows in _clients(np.float32).values()]
     return folding.Folder(plan), reports
@@ -102,7 +103,8 @@ def test_a_scanned_report_is_refused_as_a_held_one_would_be(rounds):
     assert _refusal(folder, bytes(damaged)).reason == "malformed"
     assert _refusal(folder, report + b"\0").reason == "malformed"
     # another type (int32 tensors): malformed, from its header, before any tensor
-    other, broadcast = capture(_computation(np.int32), deploy.client_data("train"))
+    other, broadcast = capture(_computation(np.int32), deploy.client_data("train"),
+                               bounds=_bounds(np.int32))
     ints = execution.run_plan(other, broadcast, {"train": _clients(np.int32)["c0"]})
     refused = _refusal(folder, ints)
     assert refused.reason == "malformed" and "int32" in str(refused)

@@ -4,6 +4,7 @@ a population `pop`, three enrolled clients, rounds of `vector_sum` they report t
 import httpx
 import numpy as np
 
+from fedlang.deploy import protocol
 from fedlang.deploy.plans import execution
 
 from .conftest import bearer
@@ -50,7 +51,8 @@ class Deployment:
         data = execution.run_plan(self.plan, self.broadcast,
                                   {"train": [np.full(3, value, np.float32)]})
         return self.http.put(f"{API}/rounds/{round_id}/report", content=data,
-                             headers=bearer(client["credential"]))
+                             headers={**bearer(client["credential"]),
+                                      **protocol.task_header({"round": round_id})})
 
     def close(self):
         self.http.close()

@@ -3,9 +3,12 @@ SQLite and PostgreSQL: a FedAvg round and a FedBuff session, whose plans declare
 default bounds, refuse the issue's three finite attacks (a weight of -1e300, a client
 count of 10^6, update values of 1.7e308 and of 1e30) with 400 `out_of_bounds` naming
 the leaf, count them, fold nothing of them, and accept the honest reports of the same
-clients."""
+clients; and (issue 36, attack 4) a round refuses metric accumulators outside theirs (a
+loss sum of +-1e30, an accuracy count of -5, an `update_norm_max` past the clip) while
+its honest reports release the simulation's metrics."""
 
 import contextlib
+import json
 
 import httpx
 import numpy as np
@@ -82,10 +85,16 @@ class Server:
     def refusals(self):
         return self.ok(self.http.get(f"{API}/status"))["reports"]["refused"].get("out_of_bounds", 0)
 
-    def refused(self, path, client, body, leaf):
+    def put(self, path, client, body, task):
+        """`client`'s upload of `body` to `path`, computed for `task` (`{"round": id}`)."""
+        bound = {"round": None, "session": None, "version": None, **task}
+        header = json.dumps(bound, sort_keys=True, separators=(",", ":"))  # protocol.task_header
+        return self.http.put(path, content=body, headers={**bearer(client), "Fedlang-Task": header})
+
+    def refused(self, path, client, body, leaf, task):
         """Asserts that uploading `body` is refused for `leaf`, and counted."""
         before = self.refusals()
-        r = self.http.put(path, content=body, headers=bearer(client))
+        r = self.put(path, client, body, task)
         assert (r.status_code, r.json().get("reason")) == (400, "out_of_bounds"), r.text
         assert leaf in r.json()["detail"], r.json()["detail"]
         assert self.refusals() == before + 1
@@ -122,15 +131,16 @@ def test_a_round_refuses_the_three_attacks_and_folds_only_honest_reports(server,
     path, a = f"{API}/rounds/{rid}/report", server.clients[0]
     (norm,) = plan.bounds.norms  # FedAvg's weighted update, scaled by its weight: an
     weight = norm.scale  # unnamed float sum
+    task = {"round": rid}
     for negative in (-3e38, -1.0):  # at float32's range, and a small one
-        server.refused(path, a, _tampered(honest[0], t, paths, {weight: negative}), weight)
+        server.refused(path, a, _tampered(honest[0], t, paths, {weight: negative}), weight, task)
     server.refused(path, a, _tampered(honest[0], t, paths, {"[2].num_clients": 10**6}),
-                   "[2].num_clients")
+                   "[2].num_clients", task)
     for huge in (3e38, 1e30):
         server.refused(path, a, _tampered(honest[0], t, paths, {norm.leaves[-1]: huge}),
-                       ", ".join(norm.leaves))
+                       ", ".join(norm.leaves), task)
     for c, report in zip(server.clients, honest):
-        assert server.ok(server.http.put(path, content=report, headers=bearer(c)))["accepted"]
+        assert server.ok(server.put(path, c, report, task))["accepted"]
     r = server.ok(server.http.get(f"{API}/admin/rounds/{rid}?wait=30", headers=server.admin))
     assert (r["state"], r["reports"], r["refused"]) == ("closed", 3, 5)
     aggregate = server.http.get(f"{API}/admin/rounds/{rid}/aggregate", headers=server.admin).content
@@ -160,13 +170,16 @@ def test_a_session_refuses_the_three_attacks(server):
     server.checkin()
     honest = plan.run(weights, {"train": [_batch(0)]})
     path, a = f"{API}/sessions/{sid}/reports/0", server.clients[0]
+    task = {"session": sid, "version": 0}
     server.refused(path, a, _tampered(honest, t, paths, {".update_weight": -3e38}),
-                   ".update_weight")
+                   ".update_weight", task)
     server.refused(path, a, _tampered(honest, t, paths, {".diagnostics.num_clients": 10**6}),
-                   ".diagnostics.num_clients")
+                   ".diagnostics.num_clients", task)
     server.refused(path, a, _tampered(honest, t, paths, {".update.w": 3e38}),
-                   ".update.b, .update.w")
-    assert server.ok(server.http.put(path, content=honest, headers=bearer(a)))["accepted"]
+                   ".update.b, .update.w", task)
+    server.refused(path, a, _tampered(honest, t, paths, {".stats.loss_sum": -1e30}),
+                   ".stats.loss_sum", task)
+    assert server.ok(server.put(path, a, honest, task))["accepted"]
     s = server.ok(server.http.get(f"{API}/admin/sessions/{sid}", headers=server.admin))
     assert s["reports"] == 1
 
@@ -182,6 +195,7 @@ def test_bounds_are_checked_and_travel_in_the_signed_plan(fedavg_round):
     assert again.bounds == plan.bounds
     # the norm bound is on w * u: |w u| <= clip * w, i.e. |u| <= clip
     leaves = {p: np.zeros(1) for p in plan.report_paths}
+    leaves["[5]"] = np.int32(1)  # how many clients a report stands for: one
     leaves[norm.scale] = np.float64(3.0)
     leaves[norm.leaves[-1]] = np.full(1, 3.0 * bounds_lib.DEFAULT_CLIP)
     plan.bounds.check(leaves)
@@ -224,3 +238,68 @@ def test_a_secure_rounds_plain_report_is_bounded_too(db_url, server_factory):
         assert h.accepted() == 1
     finally:
         h.http.close()
+
+
+def _metered_model():
+    import jax.numpy as jnp
+
+    from fedlang.learning import models
+
+    return models.FunctionalModel(
+        init_fn=lambda rng: {"w": jnp.zeros([64, 10]), "b": jnp.zeros([10])},
+        apply_fn=lambda p, x: x @ p["w"] + p["b"],
+        loss_fn=lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(),
+        input_spec=SPEC,
+        metrics=[models.Accuracy()],
+    )
+
+
+def test_a_round_refuses_metric_leaves_outside_their_bounds_and_equals_the_simulation(server):
+    # Issue 36's attack 4: a loss sum of +-1e30, an accuracy count of -5, an update norm
+    # maximum past clip; each refused for its leaf and bound, counted, nothing folded.
+    from fedlang import runtime
+
+    process = algorithms.build_weighted_fed_avg(_metered_model, optax.sgd(0.1))
+    state = process.initialize()
+    plan, broadcast = capture(process.next, state, deploy.client_data("train"))
+    folder = folding.Folder(plan)
+    paths, t = plan.report_paths, folder.report_type
+    rid = server.ok(server.http.post(f"{API}/admin/rounds", headers=server.admin, json={
+        "population": "pop", "plan": server.blob(plan.to_bytes()),
+        "broadcast": server.blob(broadcast), "target": 3, "deadline": 600.0}))["id"]
+    server.checkin()
+    data = [[_batch(i)] for i in range(3)]
+    honest = [execution.run_plan(plan, broadcast, {"train": d}) for d in data]
+    path, a = f"{API}/rounds/{rid}/report", server.clients[0]
+    # 8 examples, at most 1e6 each (`DEFAULT_PER_EXAMPLE`)
+    examples = "[-1e+06, 1e+06] x [1].num_examples = [-8e+06, 8e+06]"
+    task = {"round": rid}
+    for leaf, value, bound in [("[1].loss_sum", 1e30, examples),
+                               ("[1].loss_sum", -1e30, examples),
+                               ("[1].metrics.accuracy.count", -5, "[0, 1e+06]"),
+                               ("[3].best", 1e30, "[0, 10000.1]")]:
+        server.refused(path, a, _tampered(honest[0], t, paths, {leaf: value}),
+                       f"leaf {leaf} within {bound}", task)
+    for c, report in zip(server.clients, honest):
+        assert server.ok(server.put(path, c, report, task))["accepted"]
+    r = server.ok(server.http.get(f"{API}/admin/rounds/{rid}?wait=30", headers=server.admin))
+    assert (r["state"], r["reports"], r["refused"]) == ("closed", 3, 4)
+    aggregate = server.http.get(f"{API}/admin/rounds/{rid}/aggregate", headers=server.admin).content
+    expected = folder.empty()
+    for report in honest:
+        expected = folder.fold(expected, folder.check(report))
+    assert aggregate == expected  # the honest reports, folded in order; nothing else
+    # ... whose released metrics are the simulation's
+    value = structure.to_internal(
+        serialization.deserialize_value(aggregate, expected_type=plan.aggregate_type),
+        plan.aggregate_type)
+    stats = dict(zip([p for p in paths if p.startswith("[1]")],
+                     structure.flatten(value[1], plan.aggregate_type[1])))
+    with runtime.simulation_context():
+        _, metrics = process.next(state, data)
+    train = metrics["client_work"]["train"]
+    assert int(stats["[1].num_examples"]) == int(train["num_examples"]) == 24
+    np.testing.assert_allclose(float(stats["[1].loss_sum"]) / 24, train["loss"], rtol=1e-5)
+    np.testing.assert_allclose(float(stats["[1].metrics.accuracy.correct"])
+                               / float(stats["[1].metrics.accuracy.count"]),
+                               train["accuracy"], rtol=1e-6)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fedlang.core import signing
+from fedlang.deploy import protocol
 from fedlang.deploy.plans import execution, folding
 from fedlang.deploy.plans import round as plan_lib
 
@@ -56,16 +57,18 @@ def test_an_edge_joins_reads_its_round_and_forwards_one_partial(root):
     assert plan.aggregate_type == root.plan.aggregate_type
     body = partial(root, [[1, 2, 3], [4, 5, 6]])
     url = f"{API}/edge/rounds/{r['id']}/partial"
-    first = root.http.put(url, content=body, headers=east)
+    bound = {**east, **protocol.task_header({"round": r["id"]})}
+    first = root.http.put(url, content=body, headers=bound)
     assert first.status_code == 200 and first.json()["replay"] is False, first.text
-    again = root.http.put(url, content=body, headers=east)
+    again = root.http.put(url, content=body, headers=bound)
     assert again.status_code == 200 and again.json()["replay"] is True
-    other = root.http.put(url, content=partial(root, [[1, 1, 1]]), headers=east)
+    other = root.http.put(url, content=partial(root, [[1, 1, 1]]), headers=bound)
     assert other.status_code == 409
-    not_joined = root.http.put(url, content=body, headers=west)
+    west_bound = {**west, **protocol.task_header({"round": r["id"]})}
+    not_joined = root.http.put(url, content=body, headers=west_bound)
     assert not_joined.status_code == 403
     root.http.post(f"{API}/edge/rounds/{r['id']}/join", headers=west)
-    junk = root.http.put(url, content=b"junk", headers=west)
+    junk = root.http.put(url, content=b"junk", headers=west_bound)
     assert junk.status_code == 400 and junk.json()["reason"] == "malformed"
     status = root.http.get(f"{API}/admin/rounds/{r['id']}", headers=root.admin).json()
     assert (status["reports"], status["assigned"]) == (2, 4)
@@ -107,5 +110,6 @@ def test_a_partial_larger_than_its_plan_allows_is_refused_before_it_is_read(root
     rid = root.round["id"]
     root.http.post(f"{API}/edge/rounds/{rid}/join", headers=east)
     with httpx.Client(base_url=root.server.url, timeout=30) as h:
-        r = h.put(f"{API}/edge/rounds/{rid}/partial", content=b"x" * (3 << 20), headers=east)
+        r = h.put(f"{API}/edge/rounds/{rid}/partial", content=b"x" * (3 << 20),
+                  headers={**east, **protocol.task_header({"round": rid})})
     assert r.status_code == 413

@@ -10,6 +10,7 @@ which was not; `good(name)` is a valid upload of that uploader, `other`, `malfor
 `non_finite` variants of it."""
 
 import base64
+import json
 import threading
 import time
 
@@ -28,6 +29,15 @@ from ..conftest import POINT, capture, vector_sum, wait_for
 from .conftest import Clock, bearer
 
 API = "/v1"
+
+
+def task_header(task):
+    """The `Fedlang-Task` header of an upload computed for `task` (written out here as
+    docs/deploy.md gives it: canonical JSON of its round, session and version)."""
+    named = {k: task.get(k) for k in ("round", "session", "version")}
+    return {"Fedlang-Task": json.dumps(named, sort_keys=True, separators=(",", ":"))}
+
+
 TOO_LARGE = b"\0" * (3 << 20)  # above every limit of these small plans
 
 
@@ -64,9 +74,16 @@ class Harness:
     def blob(self, data):
         return self.ok(self.http.post(f"{API}/admin/blobs", content=data, headers=self.admin))["hash"]
 
-    def put(self, name, body, task=None):
+    def put(self, name, body, task=None, computed_for=None):
+        """`name`'s upload of `body` to `task` (this one by default), computed for task
+        `computed_for` (the same by default: its `Fedlang-Task` header)."""
         headers = {} if name is None else bearer(self.credentials[name])
+        headers.update(task_header(self.bound(computed_for or task or self.task)))
         return self.http.put(self.path(task or self.task), content=body, headers=headers)
+
+    def bound(self, task):
+        """The task an upload to `task` answers (`protocol.task_of`)."""
+        return {"round": task}
 
     def good(self, name):
         return self.report([1, 2, 3])
@@ -144,7 +161,10 @@ class Secure(Harness):
     uploads are stage 3's masked inputs, each with its client's plain report."""
 
     def open_task(self):
-        self.plan, self.broadcast = capture(secure_count_and_total, deploy.client_data("d"))
+        # the plain total carries the contract's extremes (3e38, NaN): any finite value
+        bounds = deploy.ReportBounds(unbounded=("[1]",))
+        self.plan, self.broadcast = capture(secure_count_and_total, deploy.client_data("d"),
+                                            bounds=bounds)
         self.task = self.ok(self.http.post(f"{API}/admin/rounds", headers=self.admin, json={
             "population": "pop", "plan": self.blob(self.plan.to_bytes()),
             "broadcast": self.blob(self.broadcast), "target": 3, "deadline": 600.0,
@@ -163,7 +183,8 @@ class Secure(Harness):
                 else:
                     body = self.sa[name].share_keys(request)
                 self.ok(self.http.put(f"{API}/rounds/{self.task}/secagg/{int(stage)}",
-                                      content=body, headers=bearer(self.credentials[name])))
+                                      content=body, headers={**bearer(self.credentials[name]),
+                                      **task_header({"round": self.task})}))
         assert self.task_row()["stage"] == secagg.Stage.MASKED_INPUT
         for name in "ab":
             parts = self.parts(name, 1.0)
@@ -221,6 +242,9 @@ class Buffered(Harness):
 
     def path(self, task):
         return f"{API}/sessions/{task}/reports/0"
+
+    def bound(self, task):
+        return {"session": task, "version": 0}
 
     def report(self, row):
         return self.plan.run(self.weights, {"train": [np.array(row, np.float32)]})
@@ -300,6 +324,9 @@ class Batch(Buffered):
 
     def path(self, task):
         return f"{API}/edge/sessions/{task}/batches/1"
+
+    def bound(self, task):
+        return {"session": task}  # each of its reports names its version
 
     def report(self, row):
         return buffered_plan.encode_batch([(0, super().report(row))])
@@ -433,7 +460,8 @@ def test_reports_waiting_for_their_group_commit_hold_no_thread(server_factory):
         def upload(i):
             with httpx.Client(base_url=server.url, timeout=90) as client:
                 answers[i] = client.put(f"{API}/rounds/{round_id}/report", content=bodies[i],
-                                        headers=bearer(credentials[i]))
+                                        headers={**bearer(credentials[i]),
+                                                 **task_header({"round": round_id})})
 
         threads = [threading.Thread(target=upload, args=(i,)) for i in range(n)]
         for t in threads:

@@ -155,7 +155,8 @@ def _open(http, admin, plan, broadcast):
 
 def test_a_round_whose_reports_exceed_max_report_bytes_is_refused_when_opened(server_factory):
     server = server_factory(limits=serve.Limits(max_report_bytes=100 << 10))
-    plan, broadcast = capture(_wide_sum, deploy.client_data("train"))
+    bounds = deploy.ReportBounds(ranges={"[0]": (-1e6, 1e6)})  # (no report is sent)
+    plan, broadcast = capture(_wide_sum, deploy.client_data("train"), bounds=bounds)
     with httpx.Client(base_url=server.url, timeout=30) as http:
         r, _ = _open(http, bearer(server.admin_token), plan, broadcast)
     assert r.status_code == 400 and r.json()["reason"] == "too_large", r.text
@@ -172,6 +173,7 @@ def test_an_upload_over_the_limit_is_refused_before_its_body_is_read_naming_what
     with _connect(server) as s:  # declares 10 GB, sends none of it
         s.sendall((f"PUT /v1/rounds/{round_id}/report HTTP/1.1\r\nHost: x\r\n"
                    f"Authorization: Bearer {client['credential']}\r\n"
+                   f'Fedlang-Task: {{"round":{round_id},"session":null,"version":null}}\r\n'
                    f"Content-Type: application/octet-stream\r\nContent-Length: {10 ** 10}"
                    "\r\n\r\n").encode())
         reply = _until_closed(s, reset_ok=True)

@@ -122,10 +122,10 @@ def test_the_server_refuses_a_report_of_two_rows(server_factory):
         one = execution.run_plan(plan, broadcast, {"train": CLIENTS[0]})
         two = _with_rows(plan, one, lambda x: np.concatenate([x, x]) if x.size == 4 else x[:0])
         r = d.http.put(f"/v1/rounds/{round_id}/report", content=two, headers={
-            "Authorization": f"Bearer {client['credential']}"})
+            "Authorization": f"Bearer {client['credential']}", "Fedlang-Task": f'{{"round":{round_id},"session":null,"version":null}}'})
         assert (r.status_code, r.json()["reason"]) == (400, "not_one_client"), r.text
         r = d.http.put(f"/v1/rounds/{round_id}/report", content=one, headers={
-            "Authorization": f"Bearer {client['credential']}"})
+            "Authorization": f"Bearer {client['credential']}", "Fedlang-Task": f'{{"round":{round_id},"session":null,"version":null}}'})
         assert r.status_code == 200, r.text
     finally:
         d.close()

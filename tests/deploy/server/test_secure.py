@@ -24,7 +24,7 @@ from fedlang.deploy.plans import execution
 from fedlang.deploy.secagg import Stage, messages, wire
 
 from .. import secagg_privacy
-from ..conftest import capture, secure_and_plain
+from ..conftest import bounds_of, capture, secure_and_plain
 from .conftest import Clock, bearer
 
 API = "/v1"
@@ -97,8 +97,10 @@ class Cohort:
                              headers=bearer(self.clients[cid].credential))
 
     def put(self, cid, stage, body, round_id=None):
-        return self.http.put(f"{API}/rounds/{round_id or self.round}/secagg/{stage}",
-                             content=body, headers=bearer(self.clients[cid].credential))
+        rid = round_id or self.round
+        return self.http.put(f"{API}/rounds/{rid}/secagg/{stage}", content=body,
+                             headers={**bearer(self.clients[cid].credential),
+                                      **protocol.task_header({"round": rid})})
 
     def message(self, cid):
         """(stage, the client's answer to its current request)."""
@@ -216,7 +218,8 @@ def cohorts(server_factory):
         clock = Clock()
         runner = HttpRounds(server_factory(clock=clock), clock, data, **play)
         try:
-            with context.with_context(deploy.DeploymentContext(runner)):
+            bounds = bounds_of(secure_and_plain)
+            with context.with_context(deploy.DeploymentContext(runner, bounds=bounds)):
                 got = secure_and_plain(deploy.client_data("d"))
         finally:
             made.extend(runner.cohorts)
@@ -247,7 +250,7 @@ def test_a_secure_round_with_client_threads_equals_the_simulation_exactly(
     errors = [client_threads(deploy.Client(server.url, "pop", token, {"d": b},
                                            backoff=(0.02, 0.2))) for b in data]
     ctx = deploy.deployment_context(server.url, server.admin_token, "pop", target=5,
-                                    progress=True)
+                                    progress=True, bounds=bounds_of(secure_and_plain))
     with context.with_context(ctx):
         got = secure_and_plain(deploy.client_data("d"))
     ctx.runner.finish()
@@ -358,7 +361,8 @@ def test_bad_stage_messages_get_4xx_and_change_nothing(cohorts, secure_round):
     assert c.put(b, 5, b"no such stage").status_code == 422  # FastAPI's validation
     before = c.snapshot()  # a plain report, as to an aggregate round
     r = c.http.put(f"{API}/rounds/{c.round}/report", content=c.clients[b].parts.report,
-                   headers=bearer(c.clients[b].credential))
+                   headers={**bearer(c.clients[b].credential),
+                            **protocol.task_header({"round": c.round})})
     assert r.status_code == 409 and "take part in its stages" in r.json()["detail"]
     assert c.snapshot() == before
     outsider = c.enroll()  # the round is full: it is not assigned
@@ -569,7 +573,8 @@ def test_the_server_receives_stores_and_logs_no_clients_input(tmp_path):
     logging.getLogger("fedlang").setLevel(logging.DEBUG)
     server.start()
     try:
-        plan, broadcast = capture(secure_vector, deploy.client_data("d"))
+        examples = deploy.ReportBounds(ranges={"[1]": (0, 10**6)})  # a client's count of rows
+        plan, broadcast = capture(secure_vector, deploy.client_data("d"), bounds=examples)
         c = Cohort(server, clock, plan, broadcast, data, quorum=4)
         ids = list(c.clients)
         r = c.play({Stage.MASKED_INPUT: ids[:1], Stage.UNMASKING: ids[1:2]})

@@ -12,6 +12,7 @@ import fedlang as fl
 from fedlang import deploy
 from fedlang.cli import deploy as deploy_cli
 from fedlang.core import serialization
+from fedlang.deploy import protocol
 from fedlang.deploy.plans import buffered as buffered_plan
 
 from .conftest import bearer
@@ -68,8 +69,10 @@ class Session:
         return self.http.post(f"{API}/checkin", headers=bearer(client["credential"])).json()
 
     def put(self, client, version, data):
-        return self.http.put(f"{API}/sessions/{self.session['id']}/reports/{version}",
-                             content=data, headers=bearer(client["credential"]))
+        sid = self.session['id']
+        return self.http.put(f"{API}/sessions/{sid}/reports/{version}",
+                             content=data, headers={**bearer(client["credential"]),
+                             **protocol.task_header({"session": sid, "version": version})})
 
     def publish(self, version, through):
         return self.post(f"/admin/sessions/{self.session['id']}/versions", json={

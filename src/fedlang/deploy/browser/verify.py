@@ -199,7 +199,9 @@ def preflight(comp: Any, *args: Any, tasks: BrowserTasks | None = None) -> list[
         kind of aggregation), or the program and output whose ONNX conversion differs.
     """
     checking = _Checking(tasks or BrowserTasks())
-    with (core_context.with_context(deploy_context.DeploymentContext(checking)),
+    # what browsers can run, not what reports may hold: the driver declares the bounds
+    ctx = deploy_context.DeploymentContext(checking, bounds=None)
+    with (core_context.with_context(ctx),
           np.errstate(invalid="ignore", divide="ignore")):
         comp(*args)
     return checking.sections

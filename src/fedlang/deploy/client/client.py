@@ -267,7 +267,7 @@ class Client:
         parts = self._run_parts(round_plan, broadcast)
         del broadcast  # the model: not held while the report is sent
         try:
-            self._put(f"{protocol.API}/rounds/{task['round']}/report", parts.report)
+            self._put(f"{protocol.API}/rounds/{task['round']}/report", parts.report, task)
         except (protocol.Gone, protocol.Conflict, protocol.Forbidden) as e:
             log.warning("report for round %s refused: %s", task["round"], e)
             return False
@@ -283,7 +283,7 @@ class Client:
         report = plan.run(self._blob(task["broadcast"]), self.data)
         session, version = task["session"], task["version"]
         try:
-            self._put(f"{protocol.API}/sessions/{session}/reports/{version}", report)
+            self._put(f"{protocol.API}/sessions/{session}/reports/{version}", report, task)
         except (protocol.Gone, protocol.Conflict, protocol.Forbidden) as e:
             log.warning("report for version %s of session %s refused: %s", version, session, e)
             return False
@@ -291,11 +291,14 @@ class Client:
         log.info("reported for version %s of session %s", version, session)
         return True
 
-    def _put(self, path: str, body: bytes) -> None:
-        """PUTs binary `body` (a report), in pieces (`connection.Body`): not copied whole."""
+    def _put(self, path: str, body: bytes, task: Mapping[str, Any]) -> None:
+        """PUTs binary `body` (a report), in pieces (`connection.Body`): not copied whole;
+        with the task it was computed for (`protocol.task_header`: the server refuses it
+        for any other, 409 `stale`)."""
         pieces = connection_lib.Body(body)
         self._request("PUT", path, content=pieces,
-                      headers={**pieces.headers, "Content-Type": protocol.BINARY})
+                      headers={**pieces.headers, "Content-Type": protocol.BINARY,
+                               **protocol.task_header(task)})
 
     def _run_secure(self, round_id: int, round_plan: plan_lib.RoundPlan, broadcast: Any) -> bool:
         """Takes part in a secure round's stages until it has nothing more to do there."""
@@ -339,7 +342,7 @@ class Client:
                             round_id, stage, e)
                 break
             try:
-                self._put(f"{path}/{stage}", message)
+                self._put(f"{path}/{stage}", message, {"round": round_id})
             except (protocol.Gone, protocol.Conflict, protocol.Forbidden,
                     protocol.BadRequest) as e:
                 log.warning("round %s: stage %s answer refused: %s", round_id, stage, e)

@@ -67,6 +67,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from fedlang.core import signing, types
@@ -128,11 +129,15 @@ class Link:
         return self.conn.download(
             f"/v1/edge/blobs/{h}", token=self.token, expected_hash=h)
 
-    def upload(self, path: str, body: bytes, *, retry: bool = True) -> dict[str, Any]:
-        """Uploads `body` to `/v1/edge/PATH` (idempotent at the root)."""
+    def upload(self, path: str, body: bytes, task: Mapping[str, Any], *, retry: bool = True
+               ) -> dict[str, Any]:
+        """Uploads `body` to `/v1/edge/PATH` (idempotent at the root), bound to the root's
+        `task` (`protocol.task_header`: its round, or its session; the mirror's
+        `upstream`, kept across restarts)."""
         result: dict[str, Any] = self.conn.json(
             "PUT", f"/v1/edge/{path}", token=self.token, content=body,
-            headers={"Content-Type": protocol.BINARY}, retry=retry,
+            headers={"Content-Type": protocol.BINARY, **protocol.task_header(task)},
+            retry=retry,
         )
         return result
 
@@ -236,7 +241,7 @@ class RoundMirror:
         else:
             body = folder.encode_partial(aggregate, r.reports, r.dropped)
         try:
-            edge.link.upload(f"rounds/{m.upstream}/partial", body)
+            edge.link.upload(f"rounds/{m.upstream}/partial", body, {"round": m.upstream})
         except (protocol.Gone, protocol.Conflict) as e:  # closed without it; another partial
             log.error("edge: the root refused the partial of round %s: %s", m.upstream, e)
             edge.mirrors.finish(m, e.reason)
@@ -303,7 +308,8 @@ class SessionMirror:
         body = buffered_plan.encode_batch([(r.version, r.data) for r in reports])
         number = m.uploads + 1
         try:  # once: the same bytes go again on the next pass
-            answer = edge.link.upload(f"sessions/{m.upstream}/batches/{number}", body, retry=False)
+            answer = edge.link.upload(f"sessions/{m.upstream}/batches/{number}", body,
+                                      {"session": m.upstream}, retry=False)
         except (protocol.Gone, protocol.Conflict, protocol.BadRequest, protocol.Forbidden) as e:
             log.error("edge: the root refused batch %s of session %s for good: %s",
                       number, m.upstream, e)

@@ -103,7 +103,8 @@ class BufferedPlan:
 
         Raises:
           TypeError: if `train` is not such a computation.
-          ValueError: if `data_name` is not a dataset name.
+          ValueError: if `data_name` is not a dataset name; `bounds.UnboundedLeaf`
+            (a strict `bounds`) naming a report leaf with no derivable or declared bound.
         """
         if not (isinstance(data_name, str) and data_name.isidentifier()):
             raise ValueError(f"Expected a client data name such as 'train', found {data_name!r}.")

@@ -16,7 +16,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, cast
 
-from fedlang.core import computation, intrinsics, ir, tracing, types
+import jax
+from jax.extend import core as jcore
+
+from fedlang.backends.jax import computation as jax_backend
+from fedlang.core import computation, intrinsics, ir, structure, tracing, types
 from fedlang.core import operators as ops
 from fedlang.deploy.plans import bounds as bounds_lib
 from fedlang.deploy.plans import round as plan_lib
@@ -180,6 +184,8 @@ def build(
 
     Raises:
       DeploymentError: naming what cannot run on real clients.
+      UnboundedLeaf: (`plans.bounds`, a strict `report_bounds`) naming a report leaf
+        with no derivable or declared bound, and how to declare one.
     """
     builder = _TaskBuilder()
     plans = []
@@ -215,8 +221,9 @@ def build(
     if report_bounds is not None:
         summed = [a for a in aggregations if a is not writes]
         plain = [i for i in range(len(plans)) if i not in set(plan.secure)]
+        names, constants = _inputs(summed, plans)
         declared = report_bounds.for_round(plan.aggregations, plan.report_type, plain,
-                                           _weighted_by(summed, plans))
+                                           _weighted_by(summed, plans), names, constants)
         plan = dataclasses.replace(plan, bounds=declared)
     return plan, tuple(v for v, _ in builder.broadcasts)
 
@@ -245,6 +252,56 @@ def _weighted_by(thunks: list[Any], plans: list[plan_lib.AggregationPlan]) -> di
                 out[i] = w
                 break
     return out
+
+
+def _inputs(thunks: list[Any], plans: list[plan_lib.AggregationPlan]
+            ) -> tuple[dict[int, tuple[str, tuple[str, ...]]], dict[int, list[float]]]:
+    """What the bounds can tell of each aggregation's client input: the field of the
+    clients' value it takes and the names of that value's fields, when it is a
+    selection (`outputs.update_norm`), and its leaves' values, when a `federated_sum`'s
+    input is the same constant at every client (how the aggregators count clients: a
+    function of the value that returns 1)."""
+    sum_uri = intrinsics.lookup("federated_sum").uri
+    names, constants = {}, {}
+    for i, (a, p) in enumerate(zip(thunks, plans)):
+        cv = a.input
+        if not isinstance(cv, lazy.Mapped):
+            continue
+        fn = cv.fn
+        if isinstance(fn, reference.Closure):
+            body = fn.fn
+            if isinstance(body, ir.Lambda) and isinstance(body.result, ir.Selection) \
+                    and isinstance(body.result.source, ir.Reference) \
+                    and body.result.source.name == body.parameter_name \
+                    and body.result.name is not None:
+                source = cast(types.StructType, body.result.source.type_signature)
+                names[i] = (body.result.name, tuple(n for n in source.names if n is not None))
+        elif p.uri == sum_uri:
+            value = _constant(fn)
+            if value is not None:
+                constants[i] = value
+    return names, constants
+
+
+def _constant(fn: Any) -> list[float] | None:
+    """The leaves of a JAX function's result when they are constants (its program
+    returns literals whatever its argument), else None. Only functions of no dataset
+    with a small result are looked at: tracing one takes a millisecond."""
+    if not isinstance(fn, jax_backend.JaxComputation) or fn.seq_index is not None:
+        return None
+    result = fn.type_signature.result
+    if not all(isinstance(t, types.TensorType) and not t.shape
+               for t in structure.leaf_types(result)):
+        return None
+    args = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in fn.arg_leaf_types]
+    try:
+        program = jax.make_jaxpr(fn.part("fn"))(*args)
+    except Exception:  # a function JAX cannot trace abstractly: not a constant we can read
+        return None
+    out = program.jaxpr.outvars
+    if not out or not all(isinstance(v, jcore.Literal) for v in out):
+        return None
+    return [float(v.val) for v in out]
 
 
 def _federated_task(

@@ -21,8 +21,8 @@ does (lazily, aggregations in waves); each wave becomes a round on real clients
   time; the device reads its state before the task and keeps `S'` itself: the state
   is never in a report (docs/learning.md, "Client state").
 * `bounds` (optional, `plans.bounds.Bounds`): what one client's plain report may hold
-  (per leaf a range, L2 norms of groups of leaves), declared by the driver
-  (`bounds.ReportBounds`) and checked by the server for every report.
+  (per leaf a range, a sum's scaled by its count; L2 norms of groups of leaves),
+  declared by the driver (`bounds.ReportBounds`) and checked by the server for every report.
 
 A client runs the task on its own data, folds each `x_i` into its aggregation's
 accumulator (`runtime.accumulate`) and reports the partials, each tensor in its values'

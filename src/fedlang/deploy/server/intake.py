@@ -11,6 +11,11 @@ uploads, which stand for its clients' reports (a round's partial aggregate, `PUT
    client by its credential, an edge by its token (`auth.Uploader`);
 2. find the task in the uploader's population, its plan, and the largest body it can
    take (404 for no such task, or one of another population: nothing read, not counted);
+   then check that the upload was computed for this task, by the task its header
+   `Fedlang-Task` names (`protocol.read_task_header`: its round, or its session and
+   version, `Uploads.task`): one computed for another round, session or version is
+   refused (409 `stale`), one without the header too (400 `unbound`, naming what to
+   send), both before a byte of the body is read, and counted;
 3. read the body, refused (413) as soon as it exceeds that limit or the server's limit
    on every upload (`fedlang serve --max-report-bytes`), the refusal naming which. A
    large model's report (`Uploads.scan`: a round whose reports are sums and may hold
@@ -33,11 +38,11 @@ uploads, which stand for its clients' reports (a round's partial aggregate, `PUT
    upload that would make a round's aggregate overflow to infinity is refused there (400
    `overflow`), and nothing of it is kept;
 
-and every refusal from step 3 on is counted (`refused:REASON` in `GET /v1/status`, and
-in the task: `Uploads.count_refusal`).
+and every refusal from the task's header on is counted (`refused:REASON` in `GET
+/v1/status`, and in the task: `Uploads.count_refusal`).
 
-A mode is an `Uploads`: how to find its tasks, its limit, its admission, its check and
-how it accepts (`rounds.ReportUploads`, `secure.AnswerUploads`,
+A mode is an `Uploads`: how to find its tasks, which task an upload answers, its limit,
+its admission, its check and how it accepts (`rounds.ReportUploads`, `secure.AnswerUploads`,
 `sessions.ReportUploads`), for its clients and its edges alike. A new mode writes one; a
 check every upload must pass (a bound the plan declares, a limit) is added here, once,
 not in the modes.
@@ -51,7 +56,7 @@ import dataclasses
 import typing
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Annotated, Any, Generic, Protocol, TypeVar
 
 import fastapi
 from fastapi import security
@@ -65,6 +70,18 @@ from fedlang.deploy.server import state as state_lib
 from fedlang.deploy.store import values
 
 T = TypeVar("T")
+# Every upload route's `Fedlang-Task` header (`protocol.TASK_HEADER`), declared in its
+# OpenAPI schema and passed to `take`, which refuses an upload without it (400
+# `unbound`, counted, with the header to send: not FastAPI's 422).
+TaskHeader = Annotated[str | None, fastapi.Header(
+    alias=protocol.TASK_HEADER,
+    description="The task this upload was computed for: canonical JSON of its round, "
+    "session and version (protocol.task_header: the fields of the check-in's task; an "
+    "edge: the root task's round, or its session). Required: an upload computed for another "
+    "task is refused (409, reason `stale`), one without it (400, `unbound`), both before "
+    "its body is read.",
+    examples=['{"round":3,"session":null,"version":null}'],
+)]
 # (server, the request's bearer) -> the uploader; raises Unauthorized.
 Authenticate = Callable[
     [state_lib.ServerState, security.HTTPAuthorizationCredentials | None], auth_lib.Uploader
@@ -109,6 +126,10 @@ class Uploads(Protocol, Generic[T]):
     def target(self, task_id: int, uploader: auth_lib.Uploader) -> T:
         """The task uploads go to. Raises NotFound (also for a task of another
         population than the uploader's)."""
+
+    def task(self, target: T, upload: Upload) -> dict[str, int | None]:
+        """The task the upload must have been computed for (`protocol.task_of`: round,
+        session, version), which its `Fedlang-Task` header must name."""
 
     def limit(self, target: T, upload: Upload) -> int:
         """The largest body the upload (its uploader and slot known, not its body) may
@@ -230,13 +251,16 @@ async def take(
     task_id: int,
     slot: int = 0,
     authenticate: Authenticate = auth_lib.uploader,
+    task: str | None = None,
 ) -> bool:
     """Takes one upload to `slot` of task `task_id` (see the module docstring); returns
     False for a replay of an accepted upload (nothing changed). `authenticate` says who
-    uploads: a client by its credential, by default (an edge by its token: `auth.edge`).
+    uploads: a client by its credential, by default (an edge by its token: `auth.edge`);
+    `task` is the request's `Fedlang-Task` header (`TaskHeader`): the task it was computed
+    for.
 
     Raises:
-      ProtocolError: the refusal (counted, from reading the body on).
+      ProtocolError: the refusal (counted, from the task's header on).
     """
     # two hops to the thread pool (each costs a thread handoff): the caller and the
     # task in one read transaction, then the admission, check and accept
@@ -245,6 +269,8 @@ async def take(
     )
     kept = False
     try:
+        # before the body: an upload computed for another task costs nothing more
+        protocol.read_task_header(task, uploads.task(target, upload))
         scan = uploads.scan(target, upload)
         if scan is None:
             body = await read_limited(request, limit)

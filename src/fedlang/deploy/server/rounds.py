@@ -36,6 +36,10 @@ class RoundUploads:
     def target(self, task_id: int, uploader: auth_lib.Uploader) -> rounds_lib.Round:
         return intake.visible(self.server.rounds.round(task_id), uploader, "round")
 
+    def task(self, target: rounds_lib.Round, upload: intake.Upload) -> dict[str, int | None]:
+        """The round: a client's report, a secure round's answers, an edge's partial."""
+        return protocol.task_of({"round": target.id})
+
     def count_refusal(self, reason: str, target: rounds_lib.Round) -> None:
         self.server.rounds.count_refusal(reason, target.id)
 
@@ -179,11 +183,13 @@ def round_aggregate(
 
 @router.put("/rounds/{round_id}/report", tags=["client"], openapi_extra=routing.BINARY_BODY)
 async def upload_report(
-    round_id: routing.RoundId, request: fastapi.Request, auth: auth_lib.Bearer, server: State
+    round_id: routing.RoundId, request: fastapi.Request, auth: auth_lib.Bearer, server: State,
+    task: intake.TaskHeader = None,
 ) -> schemas.ReportOut:
     """Uploads this client's report for its task (the binary value format, of the
-    plan's report type). Idempotent: the same bytes again change nothing."""
-    new = await intake.take(server, request, auth, ReportUploads(server), round_id)
+    plan's report type), naming the round (`Fedlang-Task`). Idempotent: the same bytes
+    again change nothing."""
+    new = await intake.take(server, request, auth, ReportUploads(server), round_id, task=task)
     return schemas.ReportOut(round=round_id, accepted=True, replay=not new)
 
 
@@ -214,14 +220,15 @@ def join_round(round_id: routing.RoundId, auth: auth_lib.Bearer, server: State
 
 @router.put("/edge/rounds/{round_id}/partial", tags=["edge"], openapi_extra=routing.BINARY_BODY)
 async def upload_partial(
-    round_id: routing.RoundId, request: fastapi.Request, auth: auth_lib.Bearer, server: State
+    round_id: routing.RoundId, request: fastapi.Request, auth: auth_lib.Bearer, server: State,
+    task: intake.TaskHeader = None,
 ) -> schemas.ReportOut:
     """Uploads the edge's partial aggregate of a round it holds seats in (the binary value
     format, of type `<reports=int64,dropped=int64,aggregate=A>`, A the plan's aggregate
     type): one upload standing for its clients' reports. Idempotent: the same bytes again
     change nothing; other bytes get 409."""
     new = await intake.take(server, request, auth, ReportUploads(server), round_id,
-                            authenticate=auth_lib.edge)
+                            authenticate=auth_lib.edge, task=task)
     return schemas.ReportOut(round=round_id, accepted=True, replay=not new)
 
 

@@ -83,9 +83,10 @@ def secagg_request(
             openapi_extra=routing.BINARY_BODY)
 async def secagg_answer(
     round_id: routing.RoundId, stage: StagePath, request: fastapi.Request,
-    auth: auth_lib.Bearer, server: State,
+    auth: auth_lib.Bearer, server: State, task: intake.TaskHeader = None,
 ) -> schemas.SecAggAnswerOut:
     """This client's answer to stage 1-4 of a secure round (a SecAgg+ frame; stage 3:
     the plain report and the masked input, `pack_masked_input`). Idempotent."""
-    new = await intake.take(server, request, auth, AnswerUploads(server), round_id, stage)
+    new = await intake.take(server, request, auth, AnswerUploads(server), round_id, stage,
+                            task=task)
     return schemas.SecAggAnswerOut(round=round_id, stage=stage, accepted=True, replay=not new)

@@ -58,6 +58,14 @@ class ReportUploads:
     def target(self, task_id: int, uploader: auth_lib.Uploader) -> sessions_lib.Session:
         return intake.visible(self.server.sessions.session(task_id), uploader, "session")
 
+    def task(self, target: sessions_lib.Session, upload: intake.Upload
+             ) -> dict[str, int | None]:
+        """A client's report: the session and the version it trained (the upload's slot);
+        an edge's batch: the session (each of its reports names its version)."""
+        if upload.uploader.holds_seats:
+            return protocol.task_of({"session": target.id})
+        return protocol.task_of({"session": target.id, "version": upload.slot})
+
     def scan(self, target: sessions_lib.Session, upload: intake.Upload) -> None:
         return None  # read whole: a session keeps its reports for the driver
 
@@ -205,13 +213,14 @@ def close_session(
             openapi_extra=routing.BINARY_BODY)
 async def upload_report(
     session_id: SessionId, version: VersionPath, request: fastapi.Request,
-    auth: auth_lib.Bearer, server: State,
+    auth: auth_lib.Bearer, server: State, task: intake.TaskHeader = None,
 ) -> schemas.AsyncReportOut:
     """Uploads this client's report for the version it trained (the binary value
     format, of the plan's report type). Refused (410, `stale`) when the version is
     more than the session's maximum staleness behind; 503 (`buffer_full`, retry) while
     the buffer waits to be applied. Idempotent."""
-    new = await intake.take(server, request, auth, ReportUploads(server), session_id, version)
+    new = await intake.take(server, request, auth, ReportUploads(server), session_id, version,
+                            task=task)
     return schemas.AsyncReportOut(session=session_id, version=version, accepted=True,
                                   replay=not new)
 
@@ -243,7 +252,7 @@ def join_session(session_id: SessionId, auth: auth_lib.Bearer, server: State
             openapi_extra=routing.BINARY_BODY)
 async def upload_batch(
     session_id: SessionId, batch: BatchNumber, request: fastapi.Request,
-    auth: auth_lib.Bearer, server: State,
+    auth: auth_lib.Bearer, server: State, task: intake.TaskHeader = None,
 ) -> schemas.BatchOut:
     """Uploads the edge's batch `batch` of its clients' reports (`plans.buffered`: each
     report with the version it trained). Taken whole or not at all: 503 `buffer_full`
@@ -252,7 +261,7 @@ async def upload_batch(
     Idempotent: the same bytes again change nothing; other bytes get 409."""
     who = await concurrency.run_in_threadpool(auth_lib.edge, server, auth)
     new = await intake.take(server, request, auth, ReportUploads(server), session_id, batch,
-                            authenticate=lambda *_: who)
+                            authenticate=lambda *_: who, task=task)
     (taken,) = await concurrency.run_in_threadpool(server.sessions.batches, session_id, who.id,
                                                    batch)
     return schemas.BatchOut(session=session_id, batch=batch, accepted=taken.reports,

@@ -75,6 +75,17 @@ export function crc32(bytes) {
   return (c ^ 0xffffffff) >>> 0;
 }
 
+// The header that binds an upload to the task it was computed for (protocol.task_header):
+// canonical JSON of the task's round, session and version; the server refuses an upload
+// computed for another task (409 stale) and one without it (400 unbound).
+export const TASK_HEADER = "Fedlang-Task";
+
+export function taskHeader(task) {
+  const named = { round: task.round ?? null, session: task.session ?? null,
+                  version: task.version ?? null };
+  return { [TASK_HEADER]: JSON.stringify(named) };
+}
+
 // The payload of a signed envelope (FEDS, u16 version 1, 8-byte key id, 64-byte Ed25519
 // signature over the 14 bytes before it and the payload), once it verifies.
 export async function verifySigned(bytes, publicKey) {
@@ -724,7 +735,7 @@ export class FedlangClient {
     this.lastReport = report;
     try {
       await this.authorized("PUT", `${API}/rounds/${task.round}/report`, {
-        body: report, headers: { "Content-Type": "application/octet-stream" },
+        body: report, headers: { "Content-Type": "application/octet-stream", ...taskHeader(task) },
       });
     } catch (e) {
       if (e instanceof FedlangError && [403, 409, 410].includes(e.status)) {
