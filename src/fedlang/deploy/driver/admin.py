@@ -4,13 +4,22 @@ rounds, the status."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
-from typing import IO, Any
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import IO, Any, TypeVar
+
+import httpx
 
 from fedlang.deploy import protocol
 from fedlang.deploy.client import connection as connection_lib
 
 BULK_PER_CALL = 100_000  # the server's most clients a bulk enrollment request
+R = TypeVar("R", bound=connection_lib.Reader)
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+
+
+def _aggregate_path(round_id: int) -> str:
+    return f"{protocol.API}/admin/rounds/{round_id}/aggregate"
 
 
 def read_credentials(lines: Iterator[bytes] | IO[bytes]) -> Iterator[dict[str, Any]]:
@@ -153,8 +162,37 @@ class Admin:
 
     def aggregate(self, round_id: int) -> bytes:
         """A closed round's aggregate, streamed (a cut transfer resumes)."""
-        return self.connection.download(
-            f"{protocol.API}/admin/rounds/{round_id}/aggregate", token=self.token)
+        return self.connection.download(_aggregate_path(round_id), token=self.token)
+
+    def aggregate_into(self, round_id: int, reader: Callable[[int | None], R]) -> R:
+        """A closed round's aggregate handed to `reader(size)` as it arrives, never held
+        (`Connection.download_into`: a cut transfer resumes; a value sent again from its
+        start goes to a new reader). Returns the reader, fed every byte once."""
+        return self.connection.download_into(_aggregate_path(round_id), reader, token=self.token)
+
+    def aggregate_part(self, round_id: int, start: int, stop: int) -> tuple[bytes, int] | None:
+        """Bytes `start:stop` of a closed round's aggregate and the aggregate's size, read
+        with `Range` (a few bytes of a large value: a mean's count ahead of its totals);
+        None when the answer is not that part (a server or proxy that ignores `Range`
+        answers the whole value, which is then not read) or is cut: the caller reads the
+        whole value instead.
+
+        Raises:
+          what `Connection.request` raises (a refusal, an unreachable server).
+        """
+        resp = self.connection.request(
+            "GET", _aggregate_path(round_id), token=self.token,
+            headers={"Range": f"bytes={start}-{stop - 1}"}, stream=True)
+        try:
+            m = _CONTENT_RANGE.fullmatch(resp.headers.get("content-range", ""))
+            if resp.status_code != 206 or m is None or int(m[1]) != start or int(m[2]) != stop - 1:
+                return None
+            body = resp.read()
+        except httpx.TransportError:
+            return None
+        finally:
+            resp.close()
+        return (body, int(m[3])) if len(body) == stop - start else None
 
     # -- watching a deployment (server/ops.py)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 from fedlang.core import client_state as client_state_lib
@@ -87,12 +87,18 @@ def client_state(name: str) -> ClientStateRef:
 
 @dataclasses.dataclass(frozen=True)
 class RoundResult:
-    """What a round returned: the aggregate (bytes, see `folding.Folder`) and counts."""
+    """What a round returned: the aggregate (bytes, see `folding.Folder`) and counts.
+
+    `results`, when not None, are the round's results (each aggregation's, internal form:
+    what `folding.results_sliced` makes of the aggregate) that the runner made as the
+    aggregate streamed in (`driver.results`); `aggregate` is then `b""`.
+    """
 
     aggregate: bytes
     reports: int
     seconds: float
     details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    results: Sequence[Any] | None = None
 
 
 class RoundRunner(Protocol):
@@ -105,9 +111,10 @@ class RoundRunner(Protocol):
 class StreamingRoundRunner(Protocol):
     """A `RoundRunner` that also takes a round without either value held twice (a large
     model's): the broadcast as the parts of its frame, read from the arrays' own memory
-    (`FrameParts`, sent as it is read), and the round's aggregate returned as a
-    `bytearray` of its own that the caller may overwrite (the round's results are made
-    in its memory: `folding.results_sliced`)."""
+    (`FrameParts`, sent as it is read), and the round's results made as its aggregate
+    streamed in (`RoundResult.results`), or its aggregate returned as a `bytearray` of
+    its own that the caller may overwrite (the round's results are made in its memory:
+    `folding.results_sliced`)."""
 
     def run_round(self, plan: plan_lib.RoundPlan, broadcast: bytes) -> RoundResult: ...
 
@@ -240,15 +247,19 @@ class _DeploymentRun(simulation.Run):
             )
         result, reuse = self.deployment._run_round(round_plan, broadcast)
         del broadcast
-        # The aggregate is read once, here; kept in `rounds` it would hold a model-sized
-        # value for each round run.
-        aggregate = result.aggregate
-        self.deployment.rounds.append(dataclasses.replace(result, aggregate=b""))
-        self.deployment._garbage += len(aggregate)
+        # The aggregate (or the results made as it streamed in) is read once, here; kept
+        # in `rounds` it would hold a model-sized value for each round run.
+        aggregate, made = result.aggregate, result.results
+        self.deployment.rounds.append(dataclasses.replace(result, aggregate=b"", results=None))
         reports = result.reports
         del result
-        results = folding.results_sliced(folding.Folder(round_plan), aggregate, reuse=reuse)
-        del aggregate  # (reused: the results' memory now)
+        if made is not None:
+            results = list(made)
+            self.deployment._garbage += _nbytes(results)
+        else:
+            self.deployment._garbage += len(aggregate)
+            results = folding.results_sliced(folding.Folder(round_plan), aggregate, reuse=reuse)
+        del aggregate, made  # (reused: the results' memory now)
         for i, a in enumerate(wave):
             if self.state_write is not None and a is self.state_write[0]:
                 results.insert(i, reports)  # the states stayed on the clients
@@ -387,6 +398,13 @@ class DeploymentContext:
         forced[spec.result] = []  # the new states stayed on the devices
         out = reference.to_python(tuple(forced), result_t)
         return client_state_lib.replace_result(out, result_t, spec.result, ref)
+
+
+def _nbytes(value: Any) -> int:
+    """The bytes of the arrays in a value (internal form: nested tuples of arrays)."""
+    if isinstance(value, tuple | list):
+        return sum(_nbytes(v) for v in value)
+    return int(getattr(value, "nbytes", 0))
 
 
 def _no_accumulator() -> Any:

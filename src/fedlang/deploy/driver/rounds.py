@@ -3,9 +3,11 @@
 `ServerRounds` is a `context.RoundRunner` (and a `StreamingRoundRunner`: a large model
 is sent from its arrays' memory): each round's plan and broadcast value are uploaded
 as blobs, the server opens a round with the cohort options, and the driver
-waits (long polling, with a progress line) until the round closes, then reads its
-aggregate. `deployment_context(url, ...)` is the `DeploymentContext` on it: the user's
-ordinary driver loop, run against real clients.
+waits (long polling, with a progress line) until the round closes, then makes its
+results as its aggregate streams in (`results.read`: a large model's float64 totals are
+never held), or reads the aggregate whole where they cannot be made so.
+`deployment_context(url, ...)` is the `DeploymentContext` on it: the user's ordinary
+driver loop, run against real clients.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from fedlang.deploy.client import connection as connection_lib
 from fedlang.deploy.driver import admin as admin_lib
 from fedlang.deploy.driver import context
 from fedlang.deploy.driver import metrics as metrics_lib
+from fedlang.deploy.driver import results as results_lib
 from fedlang.deploy.plans import bounds as bounds_lib
+from fedlang.deploy.plans import folding
 from fedlang.deploy.plans import round as plan_lib
 
 
@@ -73,20 +77,26 @@ class ServerRounds:
         self.progress = sys.stderr.isatty() if progress is None else progress
 
     def run_round(self, plan: plan_lib.RoundPlan, broadcast: bytes) -> context.RoundResult:
+        """Runs a round of `plan` with `broadcast` on the population's clients; returns its
+        results made as the aggregate streams in (`RoundResult.results`, the aggregate
+        then `b""`), or its aggregate where they cannot be made so (`results.read`)."""
         start = time.perf_counter()
         plan_hash = self.admin.put_blob(plan.to_bytes())
-        return self._run(plan_hash, self.admin.put_blob(broadcast), start)
+        return self._run(plan, plan_hash, self.admin.put_blob(broadcast), start)
 
     def run_round_parts(
         self, plan: plan_lib.RoundPlan, broadcast: context.FrameParts
     ) -> context.RoundResult:
         """`run_round` with the broadcast sent as it is read from its parts (a
-        `context.StreamingRoundRunner`); the aggregate is a `bytearray` of its own."""
+        `context.StreamingRoundRunner`); an aggregate read whole is a `bytearray` of its
+        own."""
         start = time.perf_counter()
         plan_hash = self.admin.put_blob(plan.to_bytes())
-        return self._run(plan_hash, self.admin.put_blob_parts(broadcast, broadcast.size), start)
+        return self._run(plan, plan_hash, self.admin.put_blob_parts(broadcast, broadcast.size),
+                         start)
 
-    def _run(self, plan_hash: str, broadcast_hash: str, start: float) -> context.RoundResult:
+    def _run(self, plan: plan_lib.RoundPlan, plan_hash: str, broadcast_hash: str,
+             start: float) -> context.RoundResult:
         r = self.admin.create_round(
             self.population, plan_hash, broadcast_hash, request_id=uuid.uuid4().hex,
             **self.options,
@@ -97,8 +107,10 @@ class ServerRounds:
                 shown.update(r, time.perf_counter() - start)
         if r["state"] != protocol.RoundState.CLOSED:
             raise RoundFailedError(r["failure"] or f"Round {r['id']} {r['state']}.")
-        aggregate = self.admin.aggregate(r["id"])
-        return context.RoundResult(aggregate, r["reports"], time.perf_counter() - start, r)
+        results = results_lib.read(self.admin, r["id"], folding.Folder(plan))
+        aggregate = b"" if results is not None else self.admin.aggregate(r["id"])
+        return context.RoundResult(aggregate, r["reports"], time.perf_counter() - start, r,
+                                   results)
 
     def release_metrics(self, round_num: int, metrics: Any, evaluation: Any = None) -> int:
         """Releases round `round_num`'s metrics to the population, where the server's

@@ -792,7 +792,7 @@ def _results_sliced(
             acc.merge(partial)
             made.append(acc.result())
             continue
-        finish = _finisher(acc, partial)
+        finish = finisher(acc, partial)
         if finish is None:  # a mean of no reports: its empty value, as `Mean.result` gives
             made.append(acc.result())
             continue
@@ -829,10 +829,18 @@ def _results_sliced(
     return made, placed, at
 
 
-def _finisher(acc: Any, partial: Any) -> Callable[[Any, np.dtype], Any] | None:
+def sliced_sum(acc: Any) -> bool:
+    """Whether `results_sliced` makes the result of an aggregation whose accumulator is
+    `acc` a slice at a time, by `finisher`'s formula: a `federated_sum`, `_mean` or
+    `_weighted_mean` (the driver's `results` makes it as the aggregate streams in)."""
+    return isinstance(acc, accumulate.Sum) and type(acc) in _SUMS
+
+
+def finisher(acc: Any, partial: Any) -> Callable[[Any, np.dtype], Any] | None:
     """`(wide total, dtype) -> result` of a sum, by `acc`'s `result` formula with the
     divisor its `merge(partial)` would hold (elementwise: a piece of the total gives
-    that piece of the result); None for a mean of no reports (`result` is then empty)."""
+    that piece of the result); None for a mean of no reports (`result` is then empty).
+    Only `partial[1]` (a mean's count, a weighted mean's weight) is read."""
     if type(acc) is accumulate.Sum:
         return lambda total, dtype: total.astype(dtype)
     if type(acc) is accumulate.Mean:
