@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets everything up and runs the test suite: ruff, mypy and every test not marked slow
-# (pytest: 15 minutes on 2 cores, tests/DURATIONS.md). FEDLANG_SLOW=1 runs the slow tests too
+# (pytest: 11 minutes on 2 cores, tests/DURATIONS.md). FEDLANG_SLOW=1 runs the slow tests too
 # (end-to-end runs with many processes, accuracy targets); .ci/run does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
