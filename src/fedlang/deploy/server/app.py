@@ -105,3 +105,20 @@ def create_app(
                        body_rate=(body_min_rate, body_rate_window), bodied=bodied)
     app.add_middleware(telemetry.Observe, telemetry=server.telemetry)  # outermost: request ids
     return app
+
+
+def build_routes(app: fastapi.FastAPI) -> None:
+    """Builds every included router's routes now, in the thread that made the app.
+
+    FastAPI (0.16x) builds an included router's routes on the first request that reaches
+    it, from the route modules' shared objects. Several servers in one process (a root
+    and its edges in the tests, each on its own thread) then built them at once, and one
+    run's request failed inside that build (pydantic's UnsupportedFieldAttributeWarning
+    on a shared `Query`, a 500). Built here, each app's routes are ready before its
+    server answers anything. A FastAPI without this lazy building has nothing to build.
+    """
+    for route in app.router.routes:
+        for build in ("effective_candidates", "effective_low_priority_routes"):
+            method = getattr(route, build, None)
+            if callable(method):
+                method()

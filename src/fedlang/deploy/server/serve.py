@@ -549,6 +549,7 @@ class Server:
                 from fedlang.deploy.server import dashboard as dashboard_lib
 
                 dashboard_lib.mount(self.app)
+            app_lib.build_routes(self.app)
             budget = ConnectionBudget(limits, self.app_state.telemetry.connections,
                                       forwarded_allow_ips)
             protocol = type("HeaderTimeout", (HeaderTimeout,),
